@@ -1,0 +1,1 @@
+"""Pieces shared by the loader and the proxy. Knows nothing of either."""

@@ -1,0 +1,111 @@
+"""The one error tree of tritonshare, and the exit codes the commands map it to.
+
+::
+
+    TritonshareError                       exit 1   (unexpected; a bug or an unplanned condition)
+    ├── UsageError                         exit 2   bad option or argument
+    ├── SourceError                        exit 10  permanent source error: retrying will not help
+    │   ├── SourceNotFound                          object or prefix does not exist
+    │   ├── SourceAccessDenied                      credentials missing or refused
+    │   ├── InvalidModel                            layout or config.pbtxt is not a Triton model
+    │   └── UnsafeArchive                           archive member escapes its folder or links out
+    ├── TransientSourceError               exit 11  network/server trouble that outlived retries or the deadline
+    ├── TritonLoadFailed                   exit 12  Triton marked the model UNAVAILABLE (carries Triton's reason)
+    ├── ReadinessTimeout                   exit 13  the readiness deadline passed
+    ├── InstallConflict                    exit 14  NAME is installed from a different source
+    ├── InsufficientSpace                  exit 15  not enough free disk for the download
+    └── TritonUnavailable                  exit 16  Triton's API cannot be reached (proxy, unload)
+
+Third-party exceptions are translated into these once, at the boundary where they are raised
+(``raise SourceAccessDenied(msg) from exc``). Messages say what failed, on which object, and what to do.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Process exit codes. Kubernetes shows them in the pod status; keep them stable."""
+
+    OK = 0
+    UNEXPECTED = 1
+    USAGE = 2
+    SOURCE_PERMANENT = 10
+    SOURCE_TRANSIENT = 11
+    TRITON_LOAD_FAILED = 12
+    READINESS_TIMEOUT = 13
+    INSTALL_CONFLICT = 14
+    INSUFFICIENT_SPACE = 15
+    TRITON_UNAVAILABLE = 16
+
+
+class TritonshareError(Exception):
+    """Base of every error tritonshare raises on purpose."""
+
+    exit_code: ExitCode = ExitCode.UNEXPECTED
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(TritonshareError):
+    exit_code = ExitCode.USAGE
+
+
+class SourceError(TritonshareError):
+    """A permanent problem with the model source: retrying the same input will fail the same way."""
+
+    exit_code = ExitCode.SOURCE_PERMANENT
+
+
+class SourceNotFound(SourceError):
+    pass
+
+
+class SourceAccessDenied(SourceError):
+    pass
+
+
+class InvalidModel(SourceError):
+    pass
+
+
+class UnsafeArchive(SourceError):
+    pass
+
+
+class TransientSourceError(TritonshareError):
+    """The source could not be read in time although it may exist: network, throttling, 5xx, stalls."""
+
+    exit_code = ExitCode.SOURCE_TRANSIENT
+
+
+class TritonLoadFailed(TritonshareError):
+    exit_code = ExitCode.TRITON_LOAD_FAILED
+
+
+class ReadinessTimeout(TritonshareError):
+    exit_code = ExitCode.READINESS_TIMEOUT
+
+
+class InstallConflict(TritonshareError):
+    exit_code = ExitCode.INSTALL_CONFLICT
+
+
+class InsufficientSpace(TritonshareError):
+    exit_code = ExitCode.INSUFFICIENT_SPACE
+
+
+class TritonUnavailable(TritonshareError):
+    exit_code = ExitCode.TRITON_UNAVAILABLE
+
+
+def clip(text: str, limit: int = 300) -> str:
+    """Cut a body quoted from a server to a readable length."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,28 @@
+"""Settings of ``tritonshare load``: built by the CLI, read by :func:`tritonshare.loader.run.run`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.termination import DEFAULT_PATH
+
+Mode = Literal["poll", "explicit"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderSettings:
+    source: str
+    name: str
+    layout: NodeLayout = field(default_factory=NodeLayout)
+    triton_url: str = "http://127.0.0.1:8000"
+    mode: Mode = "poll"
+    timeout_s: float = 600.0  # readiness deadline, counted from publishing
+    download_timeout_s: float = 3600.0  # overall deadline for the transfer
+    stall_timeout_s: float = 60.0  # a read that brings no byte for this long is a transient failure
+    retries: int = 5  # attempts per object after the first, with exponential backoff
+    concurrency: int = 16  # objects downloaded at once
+    poll_interval_s: float = 0.25  # how often readiness and the repository index are asked
+    termination_log: Path | None = DEFAULT_PATH

@@ -1,0 +1,27 @@
+"""Settings of ``tritonshare proxy``: built by the CLI, read by :func:`tritonshare.proxy.server.run`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tritonshare.common.layout import NodeLayout
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProxySettings:
+    name: str
+    triton_url: str = "http://127.0.0.1:8000"  # Triton HTTP (REST upstream)
+    triton_grpc: str = "127.0.0.1:8001"  # Triton gRPC (HTTP/2 upstream)
+    host: str = "0.0.0.0"
+    http_port: int = 9000
+    grpc_port: int = 9001
+    metrics_port: int = 9090  # 0 turns the metrics server off
+    layout: NodeLayout = field(default_factory=NodeLayout)
+    drain_timeout_s: float = 30.0
+    unload_on_exit: bool = True  # after draining, remove the model folder (the unloader)
+    unload_timeout_s: float = 30.0
+    connect_timeout_s: float = 2.0  # to Triton; a refused/timed-out connect answers 503 / UNAVAILABLE
+    max_header_bytes: int = 64 * 1024  # request line + headers (REST)
+    max_json_bytes: int = 64 * 1024 * 1024  # JSON part of an infer body, held to check it
+    readiness_interval_s: float = 1.0  # how long a cached own-model readiness answer stays fresh
+    strip_headers: tuple[str, ...] = ()  # e.g. the header key of Triton's --http-restricted-api

@@ -1,0 +1,41 @@
+"""Fixtures shared by every test tier: a node folder, a real Triton watching it, unique model names."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.triton import TritonServer, triton_available, triton_venv
+from tritonshare.common.layout import NodeLayout
+
+
+@pytest.fixture(scope="session")
+def node_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("node")
+    (root / "models").mkdir()
+    (root / "staging").mkdir()
+    return root
+
+
+@pytest.fixture(scope="session")
+def layout(node_root: Path) -> NodeLayout:
+    return NodeLayout(repository=node_root / "models", staging=node_root / "staging")
+
+
+@pytest.fixture(scope="session")
+def triton(layout: NodeLayout, node_root: Path) -> Iterator[TritonServer]:
+    """One real Triton (POLL, 1 s) for the session, watching ``layout.repository``. Tests share it,
+    so each uses its own model name (:func:`model_name`)."""
+    if not triton_available():
+        pytest.fail(f"no Triton venv at {triton_venv()} — run scripts/setup.sh first")
+    server = TritonServer(repository=layout.repository, log_path=node_root / "triton.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def model_name() -> str:
+    return f"m-{uuid.uuid4().hex[:10]}"

@@ -1,0 +1,88 @@
+"""Small real Triton models (Python backend) written by the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+IDENTITY_CONFIG = """\
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+"""
+
+IDENTITY_MODEL = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+        return out
+"""
+
+# A model whose initialize() raises: Triton marks it UNAVAILABLE with this text as the reason.
+BROKEN_MODEL = """\
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("tritonshare-test: this model refuses to load")
+
+    def execute(self, requests):
+        return []
+"""
+
+# Decoupled: each request yields one response per element of INPUT0, then the final flag.
+DECOUPLED_CONFIG = """\
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+"""
+
+DECOUPLED_MODEL = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for r in requests:
+            sender = r.get_response_sender()
+            x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            for v in x:
+                t = pb_utils.Tensor("OUTPUT0", np.array([v], dtype=np.float32))
+                sender.send(pb_utils.InferenceResponse([t]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+def write_model(
+    root: Path,
+    *,
+    name: str | None = None,
+    config: str = IDENTITY_CONFIG,
+    model_py: str = IDENTITY_MODEL,
+    version: str = "1",
+    padding_bytes: int = 0,
+) -> Path:
+    """Write a model folder at ``root`` (config.pbtxt + VERSION/model.py). ``name`` adds a name line;
+    ``padding_bytes`` adds a weights-like file to make the model as large as a test needs."""
+    (root / version).mkdir(parents=True, exist_ok=True)
+    text = (f'name: "{name}"\n' if name else "") + config
+    (root / "config.pbtxt").write_text(text)
+    (root / version / "model.py").write_text(model_py)
+    if padding_bytes:
+        with open(root / version / "weights.bin", "wb") as fh:
+            block = bytes(range(256)) * 4096
+            left = padding_bytes
+            while left > 0:
+                fh.write(block[: min(left, len(block))])
+                left -= len(block)
+    return root
