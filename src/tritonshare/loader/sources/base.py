@@ -1,0 +1,79 @@
+"""What every model source provides, and the registry that picks one by URI scheme.
+
+A source lists the objects under a URI (a prefix is a folder: ``s3://b/model`` never matches
+``model2/``, kserve#3776; an exact key is one file) and streams one object to a local file.
+The download engine (:mod:`tritonshare.loader.download`) does concurrency, retries and verification;
+a source only translates its SDK's errors into the error tree, once, here at the boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from tritonshare.common.errors import UsageError
+
+Progress = Callable[[int], None]  # called with the number of bytes just written
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checksum:
+    algorithm: str  # "md5" (hex) | "crc32c" (base64, big-endian) | "sha256" (hex)
+    value: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemoteObject:
+    key: str  # the object's full name in its store (or absolute path / URL)
+    relpath: str  # posix path relative to the source's folder; the file name for a single-file source
+    size: int  # bytes, as listed; -1 when the store does not say (HTTP without Content-Length)
+    checksum: Checksum | None = None  # verified after download when present
+    version: str = ""  # etag / generation / mtime: what changes when the content changes
+
+
+class Source(Protocol):
+    """One model location. Instances are used from several threads at once by the download engine."""
+
+    uri: str
+
+    def list(self) -> list[RemoteObject]:
+        """The objects to download. Raises SourceNotFound (nothing there), SourceAccessDenied,
+        TransientSourceError."""
+        ...
+
+    def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
+        """Stream ``obj`` into ``dest`` (created or truncated), calling ``progress`` as bytes land.
+        Raises TransientSourceError for what a retry may fix, SourceError for what it won't."""
+        ...
+
+    def close(self) -> None: ...
+
+
+SourceFactory = Callable[[str], Source]
+SOURCES: dict[str, SourceFactory] = {}
+
+
+def register(*schemes: str) -> Callable[[SourceFactory], SourceFactory]:
+    def add(factory: SourceFactory) -> SourceFactory:
+        for scheme in schemes:
+            SOURCES[scheme] = factory
+        return factory
+
+    return add
+
+
+def scheme_of(uri: str) -> str:
+    """``s3://b/k`` → ``s3``; a plain path → ``file``."""
+    head, sep, _ = uri.partition("://")
+    return head.lower() if sep else "file"
+
+
+def open_source(uri: str) -> Source:
+    scheme = scheme_of(uri)
+    factory = SOURCES.get(scheme)
+    if factory is None:
+        supported = ", ".join(sorted(f"{s}://" for s in SOURCES))
+        raise UsageError(f"source {uri!r}: unsupported scheme {scheme!r} — use one of {supported} or a path")
+    return factory(uri)
