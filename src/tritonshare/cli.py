@@ -51,10 +51,18 @@ def common_options(fn: F) -> F:
     for decorator in reversed(
         [
             option("--name", required=True, callback=_name, help="Model name: its folder in the repository."),
-            option("--repository", type=click.Path(path_type=Path), default=DEFAULT_REPOSITORY,
-                   help="Triton's model repository (POLL mode) on the node."),
-            option("--staging", type=click.Path(path_type=Path), default=DEFAULT_STAGING,
-                   help="Staging folder: same filesystem as the repository, outside it."),
+            option(
+                "--repository",
+                type=click.Path(path_type=Path),
+                default=DEFAULT_REPOSITORY,
+                help="Triton's model repository (POLL mode) on the node.",
+            ),
+            option(
+                "--staging",
+                type=click.Path(path_type=Path),
+                default=DEFAULT_STAGING,
+                help="Staging folder: same filesystem as the repository, outside it.",
+            ),
             option("--triton-url", default="http://127.0.0.1:8000", help="Triton's HTTP endpoint."),
         ]
     ):
@@ -87,19 +95,42 @@ def run_command(action: Callable[[], int | None], *, termination_log: Path | Non
 @main.command()
 @click.argument("source", envvar="TRITONSHARE_SOURCE")
 @common_options
-@option("--mode", type=click.Choice(["poll", "explicit"]), default="poll",
-        help="How Triton picks the model up: its repository POLL, or an explicit load call.")
+@option(
+    "--mode",
+    type=click.Choice(["poll", "explicit"]),
+    default="poll",
+    help="How Triton picks the model up: its repository POLL, or an explicit load call.",
+)
 @option("--timeout-s", type=click.FloatRange(min=0), default=600.0, help="Readiness deadline after publishing.")
 @option("--download-timeout-s", type=click.FloatRange(min=0), default=3600.0, help="Deadline for the transfer.")
-@option("--stall-timeout-s", type=click.FloatRange(min=0.1), default=60.0,
-        help="A read that brings nothing for this long counts as a transient failure.")
+@option(
+    "--stall-timeout-s",
+    type=click.FloatRange(min=0.1),
+    default=60.0,
+    help="A read that brings nothing for this long counts as a transient failure.",
+)
 @option("--retries", type=click.IntRange(min=0), default=5, help="Retries per object on transient errors.")
 @option("--concurrency", type=click.IntRange(min=1, max=256), default=16, help="Objects downloaded at once.")
-@option("--termination-log", type=click.Path(path_type=Path), default=Path("/dev/termination-log"),
-        help="Where the one-line failure reason goes (Kubernetes terminationMessagePath).")
-def load(source: str, name: str, repository: Path, staging: Path, triton_url: str, mode: str,
-         timeout_s: float, download_timeout_s: float, stall_timeout_s: float, retries: int,
-         concurrency: int, termination_log: Path) -> None:
+@option(
+    "--termination-log",
+    type=click.Path(path_type=Path),
+    default=Path("/dev/termination-log"),
+    help="Where the one-line failure reason goes (Kubernetes terminationMessagePath).",
+)
+def load(
+    source: str,
+    name: str,
+    repository: Path,
+    staging: Path,
+    triton_url: str,
+    mode: str,
+    timeout_s: float,
+    download_timeout_s: float,
+    stall_timeout_s: float,
+    retries: int,
+    concurrency: int,
+    termination_log: Path,
+) -> None:
     """Fetch SOURCE (s3://, gs://, http(s)://, file:// or a path), install it as NAME, wait until ready.
 
     Exit codes: 0 ready; 2 usage; 10 permanent source error; 11 transient source failure; 12 Triton
@@ -110,24 +141,36 @@ def load(source: str, name: str, repository: Path, staging: Path, triton_url: st
     from tritonshare.loader.settings import LoaderSettings
 
     settings = LoaderSettings(
-        source=source, name=name, layout=NodeLayout(repository=repository, staging=staging),
-        triton_url=triton_url, mode=mode,  # type: ignore[arg-type]  # click.Choice guarantees it
-        timeout_s=timeout_s, download_timeout_s=download_timeout_s, stall_timeout_s=stall_timeout_s,
-        retries=retries, concurrency=concurrency, termination_log=termination_log,
+        source=source,
+        name=name,
+        layout=NodeLayout(repository=repository, staging=staging),
+        triton_url=triton_url,
+        mode=mode,  # type: ignore[arg-type]  # click.Choice guarantees it
+        timeout_s=timeout_s,
+        download_timeout_s=download_timeout_s,
+        stall_timeout_s=stall_timeout_s,
+        retries=retries,
+        concurrency=concurrency,
+        termination_log=termination_log,
     )
     run_command(lambda: run(settings), termination_log=termination_log)
 
 
 @main.command()
 @common_options
-@option("--timeout-s", type=click.FloatRange(min=0), default=60.0,
-        help="Bound on each wait: for a LOADING model to settle, and for Triton to stop serving it.")
+@option(
+    "--timeout-s",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    help="Bound on each wait: for a LOADING model to settle, and for Triton to stop serving it.",
+)
 def unload(name: str, repository: Path, staging: Path, triton_url: str, timeout_s: float) -> None:
     """Remove NAME from the repository (rename out, then delete) and wait until Triton unloads it."""
     from tritonshare.common.unload import UnloadSettings, unload_model
 
-    settings = UnloadSettings(name=name, layout=NodeLayout(repository=repository, staging=staging),
-                              triton_url=triton_url, timeout_s=timeout_s)
+    settings = UnloadSettings(
+        name=name, layout=NodeLayout(repository=repository, staging=staging), triton_url=triton_url, timeout_s=timeout_s
+    )
 
     def action() -> int:
         result = unload_model(settings)
@@ -143,19 +186,52 @@ def unload(name: str, repository: Path, staging: Path, triton_url: str, timeout_
 @option("--http-port", type=click.IntRange(0, 65535), default=9000, help="REST (KServe v2) port.")
 @option("--grpc-port", type=click.IntRange(0, 65535), default=9001, help="gRPC port.")
 @option("--metrics-port", type=click.IntRange(0, 65535), default=9090, help="Prometheus /metrics; 0 = off.")
-@option("--drain-timeout-s", type=click.FloatRange(min=0), default=30.0,
-        help="On SIGTERM, how long in-flight requests may take to finish.")
-@option("--unload/--no-unload", "unload_on_exit", default=True,
-        help="After draining, remove the model folder so Triton unloads it.")
-@option("--unload-timeout-s", type=click.FloatRange(min=0), default=30.0,
-        help="Bound on waiting for Triton to stop serving the model after removal.")
-@option("--max-json-bytes", type=click.IntRange(min=1024), default=64 * 1024 * 1024,
-        help="Largest JSON part of an infer request (it is held in memory to be checked); larger → 413.")
-@option("--strip-header", "strip_headers", multiple=True,
-        help="Header removed from tenant requests (e.g. Triton's --http-restricted-api key). Repeatable.")
-def proxy(name: str, repository: Path, staging: Path, triton_url: str, triton_grpc: str, host: str,
-          http_port: int, grpc_port: int, metrics_port: int, drain_timeout_s: float, unload_on_exit: bool,
-          unload_timeout_s: float, max_json_bytes: int, strip_headers: tuple[str, ...]) -> None:
+@option(
+    "--drain-timeout-s",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    help="On SIGTERM, how long in-flight requests may take to finish.",
+)
+@option(
+    "--unload/--no-unload",
+    "unload_on_exit",
+    default=True,
+    help="After draining, remove the model folder so Triton unloads it.",
+)
+@option(
+    "--unload-timeout-s",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    help="Bound on waiting for Triton to stop serving the model after removal.",
+)
+@option(
+    "--max-json-bytes",
+    type=click.IntRange(min=1024),
+    default=64 * 1024 * 1024,
+    help="Largest JSON part of an infer request (it is held in memory to be checked); larger → 413.",
+)
+@option(
+    "--strip-header",
+    "strip_headers",
+    multiple=True,
+    help="Header removed from tenant requests (e.g. Triton's --http-restricted-api key). Repeatable.",
+)
+def proxy(
+    name: str,
+    repository: Path,
+    staging: Path,
+    triton_url: str,
+    triton_grpc: str,
+    host: str,
+    http_port: int,
+    grpc_port: int,
+    metrics_port: int,
+    drain_timeout_s: float,
+    unload_on_exit: bool,
+    unload_timeout_s: float,
+    max_json_bytes: int,
+    strip_headers: tuple[str, ...],
+) -> None:
     """Serve NAME only: forward its REST and gRPC calls to Triton, refuse everything else.
 
     On SIGTERM: readiness turns false, in-flight requests drain, then the model is unloaded.
@@ -164,10 +240,18 @@ def proxy(name: str, repository: Path, staging: Path, triton_url: str, triton_gr
     from tritonshare.proxy.settings import ProxySettings
 
     settings = ProxySettings(
-        name=name, triton_url=triton_url, triton_grpc=triton_grpc, host=host, http_port=http_port,
-        grpc_port=grpc_port, metrics_port=metrics_port,
-        layout=NodeLayout(repository=repository, staging=staging), drain_timeout_s=drain_timeout_s,
-        unload_on_exit=unload_on_exit, unload_timeout_s=unload_timeout_s, max_json_bytes=max_json_bytes,
+        name=name,
+        triton_url=triton_url,
+        triton_grpc=triton_grpc,
+        host=host,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        layout=NodeLayout(repository=repository, staging=staging),
+        drain_timeout_s=drain_timeout_s,
+        unload_on_exit=unload_on_exit,
+        unload_timeout_s=unload_timeout_s,
+        max_json_bytes=max_json_bytes,
         strip_headers=tuple(h.lower() for h in strip_headers),
     )
     run_command(lambda: run(settings))

@@ -24,7 +24,9 @@ def triton_venv() -> Path:
 def _site_packages(venv: Path) -> Path:
     out = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return Path(out.stdout.strip())
 
@@ -58,7 +60,9 @@ class TritonServer:
         ts = sp / "pytriton" / "tritonserver"
         vpy = subprocess.run(
             [str(venv / "bin" / "python"), "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-            check=True, capture_output=True, text=True,
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout.strip()
         stub = ts / "backends" / "python" / "triton_python_backend_stub"
         if not stub.exists():
@@ -90,8 +94,7 @@ class TritonServer:
     def start(self, timeout_s: float = 60.0) -> TritonServer:
         cmd, env = self.command()
         log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

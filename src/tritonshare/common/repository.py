@@ -18,8 +18,8 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import asdict, dataclass
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tritonshare.common.errors import InstallConflict
@@ -75,9 +75,7 @@ def publish(layout: NodeLayout, staged: Path, name: str) -> Path:
         os.rename(staged, target)
     except OSError as exc:
         if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            raise InstallConflict(
-                f"{target} appeared while installing — another pod is installing {name!r}"
-            ) from exc
+            raise InstallConflict(f"{target} appeared while installing — another pod is installing {name!r}") from exc
         raise
     logger.info("published %s", target)
     return target

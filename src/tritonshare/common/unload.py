@@ -42,7 +42,9 @@ def unload_model(settings: UnloadSettings, *, client: TritonClient | None = None
     if not _wait_quiet(client, name, settings):
         logger.warning(
             "%s is still LOADING after %.0fs; removing it anyway would hang Triton's polling, so it stays "
-            "— run unload again later, or let gc remove it", name, settings.timeout_s,
+            "— run unload again later, or let gc remove it",
+            name,
+            settings.timeout_s,
         )
         return UnloadResult(removed=False, unloaded=False)
     removed = retire(settings.layout, name)

@@ -16,27 +16,38 @@ BUCKETS = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 class ProxyMetrics:
     def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        labels = {"registry": self.registry}
+        reg = self.registry
         self.model = model
         self.requests = Counter(
-            "tritonshare_proxy_requests", "Requests answered, by protocol, route and status code.",
-            ["model", "protocol", "route", "code"], **labels,
+            "tritonshare_proxy_requests",
+            "Requests answered, by protocol, route and status code.",
+            ["model", "protocol", "route", "code"],
+            registry=reg,
         )
         self.latency = Histogram(
-            "tritonshare_proxy_request_duration_seconds", "Time from request start to the end of its response.",
-            ["model", "protocol", "route"], buckets=BUCKETS, **labels,
+            "tritonshare_proxy_request_duration_seconds",
+            "Time from request start to the end of its response.",
+            ["model", "protocol", "route"],
+            buckets=BUCKETS,
+            registry=reg,
         )
         self.refusals = Counter(
-            "tritonshare_proxy_refusals", "Requests refused by the proxy itself (policy, limits, drain).",
-            ["model", "protocol", "route", "reason"], **labels,
+            "tritonshare_proxy_refusals",
+            "Requests refused by the proxy itself (policy, limits, drain).",
+            ["model", "protocol", "route", "reason"],
+            registry=reg,
         )
         self.inflight = Gauge(
-            "tritonshare_proxy_inflight_requests", "Requests forwarded to Triton and not yet answered.",
-            ["model", "protocol"], **labels,
+            "tritonshare_proxy_inflight_requests",
+            "Requests forwarded to Triton and not yet answered.",
+            ["model", "protocol"],
+            registry=reg,
         )
         self.upstream_errors = Counter(
-            "tritonshare_proxy_upstream_errors", "Failures to reach or keep a connection to Triton.",
-            ["model", "protocol"], **labels,
+            "tritonshare_proxy_upstream_errors",
+            "Failures to reach or keep a connection to Triton.",
+            ["model", "protocol"],
+            registry=reg,
         )
         self._requests: dict[tuple[str, str, str], Counter] = {}
         self._latency: dict[tuple[str, str], Histogram] = {}

@@ -41,6 +41,7 @@ SHM_MARKER = b"shared_memory_"
 
 # ---------------------------------------------------------------------------------------------- REST
 
+
 @dataclass(frozen=True)
 class RestRule:
     route: str  # label for metrics and logs
@@ -181,9 +182,7 @@ GRPC_RULES: dict[str, GrpcRule] = {
     f"/{GRPC_SERVICE}/ModelConfig": GrpcRule("ModelConfig", Verdict.OWN),
     f"/{GRPC_SERVICE}/ModelStatistics": GrpcRule("ModelStatistics", Verdict.OWN),
     f"/{GRPC_SERVICE}/ModelInfer": GrpcRule("ModelInfer", Verdict.OWN, inspect=True),
-    f"/{GRPC_SERVICE}/ModelStreamInfer": GrpcRule(
-        "ModelStreamInfer", Verdict.OWN, inspect=True, every_message=True
-    ),
+    f"/{GRPC_SERVICE}/ModelStreamInfer": GrpcRule("ModelStreamInfer", Verdict.OWN, inspect=True, every_message=True),
     # Denied: admin and shared state of every tenant.
     **{
         f"/{GRPC_SERVICE}/{rpc}": GrpcRule(rpc, Verdict.DENY)

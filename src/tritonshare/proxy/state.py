@@ -38,15 +38,19 @@ class Frontend(Protocol):
 
 
 class ProxyState:
-    def __init__(self, settings: ProxySettings, *, metrics: ProxyMetrics | None = None,
-                 readiness: Readiness | None = None) -> None:
+    def __init__(
+        self, settings: ProxySettings, *, metrics: ProxyMetrics | None = None, readiness: Readiness | None = None
+    ) -> None:
         self.settings = settings
         self.own = settings.name
         self.own_bytes = settings.name.encode()
         self.metrics = metrics or ProxyMetrics(settings.name)
-        self.readiness = readiness or Readiness(settings.triton_url, settings.name,
-                                                ttl_s=settings.readiness_interval_s,
-                                                timeout_s=settings.connect_timeout_s)
+        self.readiness = readiness or Readiness(
+            settings.triton_url,
+            settings.name,
+            ttl_s=settings.readiness_interval_s,
+            timeout_s=settings.connect_timeout_s,
+        )
         self.draining = False
         self._inflight = 0
         self._idle = asyncio.Event()

@@ -1,0 +1,116 @@
+"""``tritonshare proxy``: run the REST and gRPC front ends and /metrics until SIGTERM, then drain and unload.
+
+Shutdown, in order (the pod's terminationGracePeriodSeconds must exceed drain + unload):
+
+1. readiness turns false at once (``state.draining``): probes and ServerReady say "not ready";
+2. listening sockets close, so new connections are refused; clients are told to go away (GOAWAY,
+   ``Connection: close``);
+3. in-flight requests, streams included, get up to ``drain_timeout_s`` to finish; what is left is cut;
+4. the model folder is renamed out of the repository and deleted, and the proxy waits (bounded) until
+   Triton no longer reports the model ready (:mod:`tritonshare.common.unload`); exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+
+from tritonshare.common.errors import ExitCode
+from tritonshare.common.unload import UnloadSettings, unload_model
+from tritonshare.proxy.grpc import GrpcFrontend
+from tritonshare.proxy.metrics_server import MetricsServer
+from tritonshare.proxy.rest import RestFrontend
+from tritonshare.proxy.settings import ProxySettings
+from tritonshare.proxy.state import Frontend, ProxyState
+
+logger = logging.getLogger(__name__)
+
+
+def run(settings: ProxySettings) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
+        return asyncio.run(serve(settings))
+    return uvloop.run(serve(settings))
+
+
+async def serve(
+    settings: ProxySettings,
+    *,
+    stop: asyncio.Event | None = None,
+    on_started: Callable[[ProxyState, list[Frontend]], None] | None = None,
+) -> int:
+    state = ProxyState(settings)
+    frontends: list[Frontend] = [RestFrontend(state), GrpcFrontend(state)]
+    metrics = MetricsServer(state.metrics, settings.host, settings.metrics_port)
+    for frontend in frontends:
+        await frontend.start()
+    await metrics.start()
+    logger.info(
+        "serving model %s: REST on %s:%d, gRPC on %s:%d, metrics on :%d; Triton at %s and %s",
+        settings.name,
+        settings.host,
+        frontends[0].port,
+        settings.host,
+        frontends[1].port,
+        metrics.port,
+        settings.triton_url,
+        settings.triton_grpc,
+    )
+    stop = stop or _stop_on_signals()
+    if on_started is not None:
+        on_started(state, frontends)
+    await stop.wait()
+    await _drain(state, frontends)
+    metrics.close()
+    if settings.unload_on_exit:
+        await asyncio.to_thread(_unload, settings)
+    return ExitCode.OK
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _signalled, sig, stop)
+    return stop
+
+
+def _signalled(sig: signal.Signals, stop: asyncio.Event) -> None:
+    if stop.is_set():
+        return
+    logger.info("received %s: draining", sig.name)
+    stop.set()
+
+
+async def _drain(state: ProxyState, frontends: list[Frontend]) -> None:
+    state.draining = True
+    for frontend in frontends:
+        frontend.stop_accepting()
+        frontend.begin_drain()
+    timeout_s = state.settings.drain_timeout_s
+    if await state.wait_idle(timeout_s):
+        logger.info("drained: no request in flight")
+    else:
+        logger.warning(
+            "drain timeout (%.1fs) passed with %d requests in flight; closing them", timeout_s, state.inflight
+        )
+    for frontend in frontends:
+        frontend.abort()
+
+
+def _unload(settings: ProxySettings) -> None:
+    result = unload_model(
+        UnloadSettings(
+            name=settings.name,
+            layout=settings.layout,
+            triton_url=settings.triton_url,
+            timeout_s=settings.unload_timeout_s,
+        )
+    )
+    logger.info(
+        "unload of %s: folder removed=%s, Triton stopped serving=%s", settings.name, result.removed, result.unloaded
+    )

@@ -1,0 +1,46 @@
+"""Put a model into Triton's repository the way the loader does (staged, one rename) and wait for it."""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.support.models import IDENTITY_CONFIG, IDENTITY_MODEL, write_model
+from tests.support.triton import TritonServer
+from tritonshare.common.layout import NodeLayout
+
+
+def install_model(
+    layout: NodeLayout,
+    triton: TritonServer,
+    name: str,
+    *,
+    config: str = IDENTITY_CONFIG,
+    model_py: str = IDENTITY_MODEL,
+    timeout_s: float = 60,
+) -> Path:
+    staged = layout.staging / f"{name}.test"
+    write_model(staged, config=config, model_py=model_py)
+    target = layout.model_dir(name)
+    os.rename(staged, target)
+    wait_model_ready(triton, name, timeout_s=timeout_s)
+    return target
+
+
+def model_ready(triton: TritonServer, name: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{triton.url}/v2/models/{name}/ready", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def wait_model_ready(triton: TritonServer, name: str, *, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if model_ready(triton, name):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"model {name} not ready after {timeout_s}s; Triton log:\n{triton.log_tail()}")
