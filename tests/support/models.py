@@ -86,3 +86,23 @@ def write_model(
                 fh.write(block[: min(left, len(block))])
                 left -= len(block)
     return root
+
+
+# Identity that takes ``SLOW_MODEL_DELAY_S`` per request: keeps requests in flight for drain tests.
+SLOW_MODEL_DELAY_S = 0.4
+SLOW_CONFIG = IDENTITY_CONFIG.replace("count: 1", "count: 4")
+SLOW_MODEL = f"""\
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep({SLOW_MODEL_DELAY_S})
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+        return out
+"""
