@@ -1,0 +1,206 @@
+"""Safe unpacking of a model shipped as one archive: ``.tar``, ``.tar.gz``/``.tgz``, ``.zip``.
+
+Every member is checked before it is written, against the folder as it is at that moment (so a link
+unpacked earlier cannot carry a later member outside):
+
+- its path stays inside the folder: no absolute path, no ``..``, no write through a link that leads out;
+- a symbolic or hard link points inside the folder;
+- it is a regular file, a folder or a link: device files, FIFOs and the like are refused.
+
+A refused member raises :class:`UnsafeArchive` naming it; the caller discards the half-unpacked folder.
+The bytes unpacked are counted against a budget (the free space measured before), so an archive that
+inflates beyond the disk fails as :class:`InsufficientSpace` before the disk fills.
+Formats are a registry keyed by file-name suffix, with a sniff of the first bytes for names without one
+(an ``https://host/download?id=3`` URL).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import stat
+import tarfile
+import zipfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path, PurePosixPath
+
+from tritonshare.common.errors import InsufficientSpace, InvalidModel, TritonshareError, UnsafeArchive
+
+logger = logging.getLogger(__name__)
+
+Unpacker = Callable[[Path, Path, "Budget"], int]  # (archive, dest, budget) → members unpacked
+
+# The standard library's own "data" filter (Python ≥ 3.11.4) as a second line of defence: it also drops
+# set-uid bits and never chowns to the archive's owners when running as root.
+_TAR_FILTER: dict[str, str] = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+
+
+class Budget:
+    """Bytes an unpack may still write; exceeding it raises InsufficientSpace naming the member."""
+
+    def __init__(self, archive: Path, max_bytes: int | None) -> None:
+        self.archive = archive
+        self.left = max_bytes
+        self.used = 0
+
+    def take(self, member: str, size: int) -> None:
+        self.used += size
+        if self.left is not None and self.used > self.left:
+            raise InsufficientSpace(
+                f"{self.archive.name}: unpacking {member!r} would bring the model to {self.used} bytes, more "
+                f"than the {self.left} bytes free on the staging filesystem — free space on the node"
+            )
+
+
+def member_target(dest: Path, name: str, archive: Path) -> Path:
+    """Where member ``name`` lands under ``dest``; refuses paths that leave it, also through links."""
+    parts = PurePosixPath(name.replace("\\", "/")).parts
+    if not parts or name.startswith(("/", "\\")) or ".." in parts or "\0" in name or ":" in parts[0]:
+        raise _escape(archive, name, "its path is absolute or climbs out with '..'")
+    target = dest.joinpath(*parts)
+    if not _inside(dest, os.path.realpath(target)):
+        raise _escape(archive, name, "it would be written through a link that leads outside")
+    return target
+
+
+def check_link(dest: Path, target: Path, link: str, *, hard: bool, archive: Path, name: str) -> None:
+    """A symbolic link resolves from its own folder, a tar hard link from the archive's root."""
+    if not link or os.path.isabs(link):
+        raise _escape(archive, name, f"it links to the absolute path {link!r}")
+    base = dest if hard else target.parent
+    if not _inside(dest, os.path.realpath(base / link)):
+        raise _escape(archive, name, f"it links to {link!r}, outside the model folder")
+
+
+def _inside(dest: Path, resolved: str) -> bool:
+    root = os.path.realpath(dest)
+    return resolved == root or resolved.startswith(root + os.sep)
+
+
+def _escape(archive: Path, name: str, why: str) -> UnsafeArchive:
+    return UnsafeArchive(
+        f"{archive.name}: member {name!r} is refused: {why} — rebuild the archive with relative paths that "
+        "stay inside the model folder"
+    )
+
+
+def _read_error(archive: Path, kind: str, exc: BaseException) -> TritonshareError:
+    """A full disk is InsufficientSpace, another failed write a node problem (exit 1, as in the download
+    engine); anything else means the archive itself is damaged or of another kind."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientSpace(f"{archive.name}: the staging filesystem filled up while unpacking — free space")
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return TritonshareError(f"{archive.name}: unpacking failed: {exc}")
+    return InvalidModel(f"{archive.name}: not a readable {kind} archive ({exc}) — check the file")
+
+
+def _refuse_kind(archive: Path, name: str, kind: str) -> UnsafeArchive:
+    return UnsafeArchive(
+        f"{archive.name}: member {name!r} is a {kind}; a model archive may hold only files, folders and links "
+        "inside it — rebuild the archive without it"
+    )
+
+
+def unpack_tar(archive: Path, dest: Path, budget: Budget) -> int:
+    """Stream the members in order (one pass, even for .tar.gz), checking each before writing it."""
+    count = 0
+    try:
+        with tarfile.open(archive, mode="r|*") as tar:
+            for member in tar:
+                _check_tar_member(member, dest, archive, budget)
+                tar.extract(member, dest, **_TAR_FILTER)  # type: ignore[arg-type]
+                count += 1
+    except tarfile.FilterError as exc:  # our checks come first; this is the standard library agreeing
+        raise _escape(archive, exc.tarinfo.name, str(exc)) from exc
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
+        raise _read_error(archive, "tar", exc) from exc
+    return count
+
+
+def _check_tar_member(member: tarfile.TarInfo, dest: Path, archive: Path, budget: Budget) -> None:
+    target = member_target(dest, member.name, archive)
+    if member.issym() or member.islnk():
+        check_link(dest, target, member.linkname, hard=member.islnk(), archive=archive, name=member.name)
+    elif member.ischr() or member.isblk():
+        raise _refuse_kind(archive, member.name, "device file")
+    elif member.isfifo():
+        raise _refuse_kind(archive, member.name, "FIFO")
+    elif not (member.isreg() or member.isdir()):
+        raise _refuse_kind(archive, member.name, f"special entry (tar type {member.type!r})")
+    budget.take(member.name, member.size if member.isreg() else 0)
+
+
+def unpack_zip(archive: Path, dest: Path, budget: Budget) -> int:
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            for info in zf.infolist():
+                _unpack_zip_member(zf, info, dest, archive, budget)
+            return len(zf.infolist())
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, OSError) as exc:
+        raise _read_error(archive, "zip", exc) from exc
+
+
+def _unpack_zip_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dest: Path, archive: Path, budget: Budget) -> None:
+    target = member_target(dest, info.filename, archive)
+    mode = info.external_attr >> 16  # the Unix mode, when the archive was made on Unix
+    kind = stat.S_IFMT(mode)
+    if info.is_dir() or kind == stat.S_IFDIR:
+        target.mkdir(parents=True, exist_ok=True)
+    elif kind == stat.S_IFLNK:
+        link = zf.read(info).decode("utf-8", errors="replace")
+        check_link(dest, target, link, hard=False, archive=archive, name=info.filename)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(target):
+            os.unlink(target)  # a repeated name replaces the earlier member, as with tar
+        os.symlink(link, target)
+    elif kind in (0, stat.S_IFREG):
+        budget.take(info.filename, info.file_size)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with zf.open(info) as src, open(target, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)  # bounded memory; zipfile stops at the declared size
+    else:
+        raise _refuse_kind(archive, info.filename, "device file or FIFO")
+
+
+# suffix (lower case) → unpacker; the longest matching suffix wins (".tar.gz" before ".gz")
+ARCHIVES: dict[str, Unpacker] = {
+    ".tar": unpack_tar,
+    ".tar.gz": unpack_tar,
+    ".tgz": unpack_tar,
+    ".zip": unpack_zip,
+}
+
+# leading bytes → unpacker, for names without a known suffix
+_MAGIC: list[tuple[int, bytes, Unpacker]] = [
+    (0, b"\x1f\x8b", unpack_tar),  # gzip: a model shipped as gzip is a .tar.gz
+    (0, b"PK\x03\x04", unpack_zip),
+    (257, b"ustar", unpack_tar),
+]
+
+
+def unpacker_for(path: Path) -> Unpacker | None:
+    """The unpacker for ``path`` by its name, else by its first bytes; None when it is no archive."""
+    name = path.name.lower()
+    for suffix in sorted(ARCHIVES, key=len, reverse=True):
+        if name.endswith(suffix):
+            return ARCHIVES[suffix]
+    with open(path, "rb") as fh:
+        head = fh.read(512)
+    return next((fn for offset, magic, fn in _MAGIC if head[offset : offset + len(magic)] == magic), None)
+
+
+def unpack(archive: Path, dest: Path, *, max_bytes: int | None = None) -> int:
+    """Unpack ``archive`` into the existing folder ``dest``; returns the number of members.
+    Raises UnsafeArchive, InvalidModel (not an archive of a known kind, or damaged), InsufficientSpace."""
+    unpacker = unpacker_for(archive)
+    if unpacker is None:
+        raise InvalidModel(
+            f"{archive.name}: not an archive of a known kind ({', '.join(ARCHIVES)}) — "
+            "point the source at a model folder or an archive of one"
+        )
+    count = unpacker(archive, dest, Budget(archive, max_bytes))
+    logger.debug("unpacked %d members of %s into %s", count, archive.name, dest)
+    return count
