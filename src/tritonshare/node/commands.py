@@ -1,0 +1,115 @@
+"""Click commands of the node agents; ``tritonshare.cli`` adds them to the ``tritonshare`` group.
+
+The conventions are those of :mod:`tritonshare.cli`: every option is also ``TRITONSHARE_<OPTION>``, options
+become a frozen settings object, errors of the tree become exit codes and a termination message, and the
+command body imports its modules lazily. The two helpers below repeat cli.py's in a few lines because the
+layer contract forbids ``node`` to import ``cli``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from tritonshare.common.errors import ExitCode, TritonshareError
+from tritonshare.common.termination import DEFAULT_PATH, write_termination_message
+
+logger = logging.getLogger("tritonshare")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Same as tritonshare.node.kube.SERVICE_ACCOUNT, not imported from there: kube pulls in http.client and ssl,
+# which every other command would then pay for at start-up.
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+def option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
+    """``click.option`` whose environment variable is ``TRITONSHARE_<LONG NAME>``."""
+    long = max((d for d in decls if d.startswith("--")), key=len).split("/")[0]
+    kwargs.setdefault("envvar", "TRITONSHARE_" + long.lstrip("-").replace("-", "_").upper())
+    kwargs.setdefault("show_envvar", True)
+    kwargs.setdefault("show_default", True)
+    return click.option(*decls, **kwargs)
+
+
+def run_command(action: Callable[[], int | None], *, termination_log: Path | None = None) -> None:
+    """Run a command body, mapping the error tree to exit codes and a termination message."""
+    try:
+        code = action()
+    except TritonshareError as exc:
+        logger.error("%s", exc)
+        write_termination_message(str(exc), termination_log)
+        sys.exit(int(exc.exit_code))
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(int(code or ExitCode.OK))
+
+
+@click.command()
+@option("--node-name", required=True, help="This node's name (downward API: spec.nodeName).")
+@option(
+    "--gpu-memory-mib",
+    type=click.IntRange(min=1),
+    default=None,
+    help="GPU memory to advertise instead of NVML's total (MIG or vGPU slices).  [default: read with NVML]",
+)
+@option("--reserve-mib", type=click.IntRange(min=0), default=0, help="GPU memory kept back, not advertised.")
+@option("--resource", default="tritonshare.io/gpu-memory", help="Extended resource name (MiB) model pods request.")
+@option(
+    "--interval-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Re-advertise this often, as a sidecar; 0 advertises once and exits (init container).",
+)
+@option(
+    "--kube-api-url",
+    default=None,
+    help="Kubernetes API server.  [default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT]",
+)
+@option("--kube-token-path", type=click.Path(path_type=Path), default=SERVICE_ACCOUNT / "token")
+@option("--kube-ca-path", type=click.Path(path_type=Path), default=SERVICE_ACCOUNT / "ca.crt")
+@option("--kube-timeout-s", type=click.FloatRange(min=0.1), default=10.0, help="Per-request timeout.")
+@option(
+    "--termination-log",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_PATH,
+    help="Where the one-line failure reason goes (Kubernetes terminationMessagePath).",
+)
+def advertise(
+    node_name: str,
+    gpu_memory_mib: int | None,
+    reserve_mib: int,
+    resource: str,
+    interval_s: float,
+    kube_api_url: str | None,
+    kube_token_path: Path,
+    kube_ca_path: Path,
+    kube_timeout_s: float,
+    termination_log: Path,
+) -> None:
+    """Advertise this node's GPU memory (MiB, minus the reserve) as an extended resource in its status.
+
+    Model pods then request it (e.g. tritonshare.io/gpu-memory: 4096) and the scheduler never places more
+    models on a node than its GPUs hold. Needs get and patch on nodes/status.
+    """
+    from tritonshare.node.advertise import AdvertiseSettings, run
+    from tritonshare.node.kube import KubeConfig, in_cluster_url
+
+    api_url = kube_api_url or in_cluster_url(os.environ)
+    if api_url is None:
+        raise click.UsageError("not in a pod (no KUBERNETES_SERVICE_HOST): pass --kube-api-url")
+    settings = AdvertiseSettings(
+        node_name=node_name,
+        resource=resource,
+        gpu_memory_mib=gpu_memory_mib,
+        reserve_mib=reserve_mib,
+        interval_s=interval_s,
+        kube=KubeConfig(api_url=api_url, token_path=kube_token_path, ca_path=kube_ca_path, timeout_s=kube_timeout_s),
+    )
+    run_command(lambda: run(settings), termination_log=termination_log)
