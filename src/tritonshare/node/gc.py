@@ -1,0 +1,249 @@
+"""``tritonshare gc``: the Triton DaemonSet's sidecar that removes what dead pods left behind.
+
+A pod killed with SIGKILL, OOM or a lost node never runs its unload, and a loader killed mid-download
+leaves its staging folder. Every ``interval_s`` one pass removes, and logs with its reason:
+
+1. models in the repository whose every lease (:mod:`tritonshare.common.lease`) is older than
+   ``lease_ttl_s``, or that have no lease and were installed longer ago than that — renamed out of the
+   repository, then deleted (:func:`tritonshare.common.repository.retire`). Never while Triton's index says
+   LOADING for the model: removing a folder mid-load hangs that load and, with it, POLL for every tenant
+   (REFERENCE §2); such a model waits for a later pass. If Triton cannot be asked, no model is removed in
+   that pass;
+2. staging entries nothing has written to for longer than the TTL (a loader killed mid-download, a delete
+   cut short);
+3. lease folders of models that are not installed and whose leases all expired.
+
+Only NAMEs matching one of ``manage`` (fnmatch patterns) are touched, so models an operator put on the node
+by other means can be kept out of reach.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import re
+import signal
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from tritonshare.common.errors import ExitCode, TritonshareError, TritonUnavailable
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.lease import DEFAULT_LEASES, DEFAULT_TTL_S, Clock, LeaseStore
+from tritonshare.common.repository import discard, read_record, retire
+from tritonshare.common.triton import TritonClient
+
+logger = logging.getLogger(__name__)
+
+# Staging entries are NAME.PURPOSE.ID (repository.new_staging_dir, repository.retire).
+_STAGING_ENTRY = re.compile(r"(?P<name>.+)\.[a-z]+\.[0-9a-f]{12}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GcSettings:
+    layout: NodeLayout = field(default_factory=NodeLayout)
+    leases: Path = DEFAULT_LEASES  # the node's lease folder, beside the repository
+    triton_url: str = "http://127.0.0.1:8000"
+    triton_timeout_s: float = 5.0
+    lease_ttl_s: float = DEFAULT_TTL_S  # a lease not refreshed for this long belongs to a dead pod
+    interval_s: float = 30.0
+    once: bool = False  # one pass, then exit
+    manage: tuple[str, ...] = ("*",)  # fnmatch patterns of the model NAMEs gc may remove
+
+
+@dataclass(frozen=True, kw_only=True)
+class Removal:
+    kind: Literal["model", "staging", "leases"]
+    name: str
+    path: Path
+    reason: str
+
+
+class Collector:
+    """One node's garbage collector; :meth:`sweep` is one pass. ``clock`` is wall time (file times are)."""
+
+    def __init__(self, settings: GcSettings, *, client: TritonClient | None = None, clock: Clock = time.time) -> None:
+        self.settings = settings
+        self.client = client or TritonClient(settings.triton_url, timeout_s=settings.triton_timeout_s)
+        self.clock = clock
+        self.store = LeaseStore(settings.leases, ttl_s=settings.lease_ttl_s, clock=clock)
+
+    def sweep(self) -> list[Removal]:
+        removals = [*self._models(), *self._staging(), *self._orphan_leases()]
+        for r in removals:
+            logger.info("gc removed %s %s (%s): %s", r.kind, r.name, r.path, r.reason)
+        return removals
+
+    def managed(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.settings.manage)
+
+    # -- models in the repository
+
+    def _models(self) -> list[Removal]:
+        repository = self.settings.layout.repository
+        names = [p.name for p in sorted(repository.iterdir()) if p.is_dir() and self.managed(p.name)]
+        candidates = [name for name in names if self._model_reason(name) is not None]
+        if not candidates:
+            return []
+        loading = self._loading()
+        if loading is None:
+            return []
+        removals = (self._remove_model(name) for name in candidates if not self._is_loading(name, loading))
+        return [r for r in removals if r is not None]
+
+    def _model_reason(self, name: str) -> str | None:
+        """Why NAME should go, or None while it is held (or too new to judge)."""
+        now, ttl = self.clock(), self.settings.lease_ttl_s
+        leases = self.store.leases(name)
+        if leases:
+            last = max(leases, key=lambda lease: lease.renewed_at)
+            idle = last.idle_s(now)
+            if idle <= ttl:
+                return None
+            return f"every lease expired: the last heartbeat came {idle:.0f}s ago from {last.holder} (ttl {ttl:.0f}s)"
+        installed = _installed_at(self.settings.layout.model_dir(name))
+        if installed is None or now - installed <= ttl:
+            return None
+        return f"no lease, and installed {now - installed:.0f}s ago (ttl {ttl:.0f}s)"
+
+    def _loading(self) -> set[str] | None:
+        try:
+            return {s.name for s in self.client.repository_index() if s.state == "LOADING"}
+        except TritonUnavailable as exc:
+            logger.warning("gc keeps every model this pass: %s", exc)
+            return None
+
+    def _is_loading(self, name: str, loading: set[str]) -> bool:
+        if name in loading:
+            logger.info(
+                "gc keeps %s this pass: Triton is LOADING it, and removing a folder mid-load would hang polling "
+                "for every model",
+                name,
+            )
+        return name in loading
+
+    def _remove_model(self, name: str) -> Removal | None:
+        # Under NAME's lock and judged again: a loader may have taken a lease since the first look.
+        with self.store.lock(name):
+            reason = self._model_reason(name)
+            if reason is None or not retire(self.settings.layout, name):
+                return None
+            self.store.drop(name)
+        return Removal(kind="model", name=name, path=self.settings.layout.model_dir(name), reason=reason)
+
+    # -- staging leftovers and orphan leases
+
+    def _staging(self) -> list[Removal]:
+        now, ttl = self.clock(), self.settings.lease_ttl_s
+        removals = []
+        for path in sorted(self.settings.layout.staging.iterdir()):
+            match = _STAGING_ENTRY.fullmatch(path.name)
+            if not self.managed(match["name"] if match else path.name):
+                continue
+            changed = _last_change(path)
+            if changed is None or now - changed <= ttl:
+                continue
+            _delete(path)
+            reason = f"staging leftover untouched for {now - changed:.0f}s (ttl {ttl:.0f}s)"
+            removals.append(Removal(kind="staging", name=path.name, path=path, reason=reason))
+        return removals
+
+    def _orphan_leases(self) -> list[Removal]:
+        removals = []
+        for name in self.store.names():
+            if not self.managed(name) or self.settings.layout.model_dir(name).exists() or self.store.fresh(name):
+                continue
+            with self.store.lock(name):
+                if self.settings.layout.model_dir(name).exists() or self.store.fresh(name):
+                    continue
+                self.store.drop(name)
+            reason = "model not installed and every lease expired"
+            removals.append(Removal(kind="leases", name=name, path=self.store.root / name, reason=reason))
+        return removals
+
+
+def run(settings: GcSettings, *, stop: threading.Event | None = None, clock: Clock = time.time) -> int:
+    """Sweep every ``interval_s`` until SIGTERM/SIGINT (or ``stop``); with ``once``, sweep once."""
+    settings.layout.check()
+    collector = Collector(settings, clock=clock)
+    if stop is None:
+        stop = threading.Event()
+        if not settings.once:
+            _stop_on_signals(stop)
+    logger.info(
+        "gc of %s, %s and %s: lease ttl %.0fs, %s, models matching %s",
+        settings.layout.repository,
+        settings.layout.staging,
+        settings.leases,
+        settings.lease_ttl_s,
+        "one pass" if settings.once else f"every {settings.interval_s:.0f}s",
+        " ".join(settings.manage),
+    )
+    while True:
+        ok = _sweep(collector)
+        if settings.once:
+            return ExitCode.OK if ok else ExitCode.UNEXPECTED
+        if stop.wait(settings.interval_s):
+            return ExitCode.OK
+
+
+def _sweep(collector: Collector) -> bool:
+    try:
+        collector.sweep()
+    except (OSError, TritonshareError) as exc:
+        logger.error("gc pass failed: %s — the next pass tries again", exc)
+        return False
+    return True
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    def handler(signum: int, _frame: object) -> None:
+        logger.info("received %s: stopping after this pass", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def _installed_at(model_dir: Path) -> float | None:
+    """When NAME was installed: its install record, else the folder's own times (rename sets its ctime)."""
+    record = read_record(model_dir)
+    if record is not None and record.installed_at:
+        return record.installed_at
+    try:
+        st = model_dir.stat()
+    except FileNotFoundError:
+        return None
+    return max(st.st_mtime, st.st_ctime)
+
+
+def _last_change(path: Path) -> float | None:
+    """Newest max(mtime, ctime) in a tree; None if it vanished. ctime counts because unpacked archives keep
+    old mtimes, while ctime is when the file was made here — a download in progress always looks new."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    newest = max(st.st_mtime, st.st_ctime)
+    if stat.S_ISDIR(st.st_mode):
+        for child in _children(path):
+            newest = max(newest, _last_change(child) or newest)
+    return newest
+
+
+def _children(path: Path) -> list[Path]:
+    try:
+        return list(path.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _delete(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        discard(path)
+    else:
+        path.unlink(missing_ok=True)

@@ -1,0 +1,87 @@
+"""The ``tritonshare gc`` command; ``tritonshare.cli`` adds it with ``main.add_command(gc)``.
+
+Same conventions as :mod:`tritonshare.cli` (every option is also ``TRITONSHARE_<OPTION>``; options become
+frozen settings; the command body imports its modules lazily), through the helpers of
+:mod:`tritonshare.node.commands`, since the layer contract forbids ``node`` to import ``cli``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from tritonshare.common.layout import DEFAULT_REPOSITORY, DEFAULT_STAGING, NodeLayout
+from tritonshare.common.lease import DEFAULT_LEASES, DEFAULT_TTL_S
+from tritonshare.common.termination import DEFAULT_PATH
+from tritonshare.node.commands import option, run_command
+
+
+@click.command()
+@option(
+    "--repository",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_REPOSITORY,
+    help="Triton's model repository (POLL mode) on the node.",
+)
+@option(
+    "--staging",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_STAGING,
+    help="Staging folder: same filesystem as the repository, outside it.",
+)
+@option(
+    "--leases",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_LEASES,
+    help="The node's lease folder (outside the repository), where model pods keep their heartbeats.",
+)
+@option("--triton-url", default="http://127.0.0.1:8000", help="Triton's HTTP endpoint (asked what is LOADING).")
+@option(
+    "--lease-ttl-s",
+    type=click.FloatRange(min=1),
+    default=DEFAULT_TTL_S,
+    help="A lease not refreshed for this long belongs to a dead pod; also the age of removable staging leftovers.",
+)
+@option("--interval-s", type=click.FloatRange(min=0.1), default=30.0, help="Time between passes.")
+@option("--once", is_flag=True, default=False, help="Make one pass and exit (a CronJob, or by hand).")
+@option(
+    "--manage",
+    multiple=True,
+    default=("*",),
+    help="Only model NAMEs matching one of these glob patterns are removed; others are never touched. Repeatable.",
+)
+@option(
+    "--termination-log",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_PATH,
+    help="Where the one-line failure reason goes (Kubernetes terminationMessagePath).",
+)
+def gc(
+    repository: Path,
+    staging: Path,
+    leases: Path,
+    triton_url: str,
+    lease_ttl_s: float,
+    interval_s: float,
+    once: bool,
+    manage: tuple[str, ...],
+    termination_log: Path,
+) -> None:
+    """Remove models whose pods are gone (every lease expired, or no lease and older than the TTL) and
+    staging leftovers; rename out of the repository before deleting, never while Triton is LOADING the model.
+
+    Runs as a sidecar of the Triton DaemonSet; every removal is logged with its reason.
+    """
+    from tritonshare.node.gc import GcSettings, run
+
+    settings = GcSettings(
+        layout=NodeLayout(repository=repository, staging=staging),
+        leases=leases,
+        triton_url=triton_url,
+        lease_ttl_s=lease_ttl_s,
+        interval_s=interval_s,
+        once=once,
+        manage=manage,
+    )
+    run_command(lambda: run(settings), termination_log=termination_log)

@@ -1,0 +1,328 @@
+"""``tritonshare gc`` against the session's real Triton: what dead pods leave behind goes, what live pods
+hold stays. Each test manages only its own NAME prefix, so the other tests' models in the shared
+repository are out of its reach. Time moves by an injected clock, never by sleeping through a TTL."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tests.support.install import install_model, model_ready, wait_model_ready
+from tests.support.models import IDENTITY_MODEL, write_model
+from tests.support.ports import free_port
+from tests.support.triton import TritonServer
+from tritonshare.common.errors import ExitCode
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.lease import Holder, LeaseStore
+from tritonshare.common.triton import TritonClient
+from tritonshare.node.gc import Collector, GcSettings, run
+from tritonshare.node.gc_command import gc
+
+TTL_S = 60.0
+POD_A = Holder(uid="1d5e0c9a-aaaa-4f7b-8c1e-5a3b2c1d0e01", name="resnet-a", namespace="team-a")
+POD_B = Holder(uid="1d5e0c9a-bbbb-4f7b-8c1e-5a3b2c1d0e02", name="resnet-b", namespace="team-a")
+
+# initialize() takes a few seconds, so Triton's index says LOADING for that long.
+SLOW_LOAD_S = 4
+SLOW_LOAD_MODEL = (
+    IDENTITY_MODEL
+    + f"""
+    def initialize(self, args):
+        import time
+
+        time.sleep({SLOW_LOAD_S})
+"""
+)
+
+
+class Clock:
+    """Wall time that a test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"gc-{uuid.uuid4().hex[:8]}-"
+
+
+@pytest.fixture
+def settings(triton: TritonServer, layout: NodeLayout, tmp_path: Path, prefix: str) -> GcSettings:
+    return GcSettings(
+        layout=layout, leases=tmp_path / "leases", triton_url=triton.url, lease_ttl_s=TTL_S, manage=(f"{prefix}*",)
+    )
+
+
+@pytest.fixture
+def collector(settings: GcSettings, clock: Clock) -> Collector:
+    return Collector(settings, clock=clock)
+
+
+@pytest.fixture
+def leases(collector: Collector) -> LeaseStore:
+    return collector.store  # the same clock as the collector's
+
+
+@pytest.fixture
+def gc_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.INFO, logger="tritonshare.node.gc")
+    return caplog
+
+
+@pytest.fixture
+def bare_layout(tmp_path: Path) -> NodeLayout:
+    """A node folder no Triton watches: for what needs no model loaded."""
+    layout = NodeLayout(repository=tmp_path / "node" / "models", staging=tmp_path / "node" / "staging")
+    layout.repository.mkdir(parents=True)
+    layout.staging.mkdir()
+    return layout
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} after {timeout_s}s")
+        time.sleep(0.1)
+
+
+def removed(collector: Collector) -> list[tuple[str, str]]:
+    return [(r.kind, r.name) for r in collector.sweep()]
+
+
+def test_a_model_whose_lease_expired_is_removed_and_triton_stops_serving_it(
+    triton: TritonServer,
+    layout: NodeLayout,
+    collector: Collector,
+    leases: LeaseStore,
+    clock: Clock,
+    prefix: str,
+    gc_log: pytest.LogCaptureFixture,
+) -> None:
+    name = f"{prefix}dead"
+    install_model(layout, triton, name)
+    leases.acquire(name, POD_A, source="file:///models/m", digest="sha256:1")
+    clock.advance(TTL_S + 1)  # the pod was SIGKILLed: no heartbeat since
+    assert removed(collector) == [("model", name)]
+    assert not layout.model_dir(name).exists()
+    assert leases.leases(name) == []
+    assert not [p for p in layout.staging.iterdir() if p.name.startswith(name)]  # renamed out, then deleted
+    wait_for(lambda: not model_ready(triton, name), f"Triton still serves {name}")
+    assert f"gc removed model {name}" in gc_log.text
+    assert f"last heartbeat came 61s ago from {POD_A}" in gc_log.text
+
+
+def test_a_model_with_a_fresh_lease_stays(
+    triton: TritonServer, layout: NodeLayout, collector: Collector, leases: LeaseStore, clock: Clock, prefix: str
+) -> None:
+    name = f"{prefix}alive"
+    install_model(layout, triton, name)
+    leases.acquire(name, POD_A)
+    for _ in range(3):  # the proxy's heartbeat keeps it well past one TTL
+        clock.advance(TTL_S * 0.8)
+        assert leases.refresh(name, POD_A)
+        assert removed(collector) == []
+    assert layout.model_dir(name).is_dir()
+    assert model_ready(triton, name)
+
+
+def test_a_shared_model_stays_while_any_holder_is_fresh(
+    triton: TritonServer,
+    layout: NodeLayout,
+    collector: Collector,
+    leases: LeaseStore,
+    clock: Clock,
+    prefix: str,
+    gc_log: pytest.LogCaptureFixture,
+) -> None:
+    name = f"{prefix}shared"
+    install_model(layout, triton, name)
+    leases.acquire(name, POD_A)
+    leases.acquire(name, POD_B)
+    clock.advance(40)
+    leases.refresh(name, POD_B)
+    clock.advance(40)  # A: 80 s without a beat (dead); B: 40 s (alive)
+    assert removed(collector) == []
+    assert model_ready(triton, name)
+    clock.advance(TTL_S - 40 + 1)  # now B is gone too
+    assert removed(collector) == [("model", name)]
+    assert f"from {POD_B}" in gc_log.text
+    wait_for(lambda: not model_ready(triton, name), f"Triton still serves {name}")
+
+
+def test_a_model_without_a_lease_is_removed_once_older_than_the_ttl(
+    triton: TritonServer,
+    layout: NodeLayout,
+    collector: Collector,
+    clock: Clock,
+    prefix: str,
+    gc_log: pytest.LogCaptureFixture,
+) -> None:
+    name = f"{prefix}unleased"
+    install_model(layout, triton, name)  # as an older loader, or a pod gone before its lease was written
+    assert removed(collector) == []
+    clock.advance(TTL_S + 30)
+    assert removed(collector) == [("model", name)]
+    assert "no lease, and installed" in gc_log.text
+    wait_for(lambda: not model_ready(triton, name), f"Triton still serves {name}")
+
+
+def test_models_outside_the_managed_patterns_are_never_touched(
+    settings: GcSettings, layout: NodeLayout, triton: TritonServer, clock: Clock, prefix: str
+) -> None:
+    kept, managed = f"{prefix}operator", f"{prefix}tenant"
+    install_model(layout, triton, kept)
+    install_model(layout, triton, managed)
+    collector = Collector(GcSettings(**{**settings.__dict__, "manage": (f"{prefix}ten*", f"{prefix}x*")}), clock=clock)
+    clock.advance(TTL_S + 30)
+    assert removed(collector) == [("model", managed)]
+    assert model_ready(triton, kept)
+
+
+def test_a_model_triton_is_loading_waits_for_a_later_pass(
+    triton: TritonServer,
+    layout: NodeLayout,
+    collector: Collector,
+    leases: LeaseStore,
+    clock: Clock,
+    prefix: str,
+    gc_log: pytest.LogCaptureFixture,
+) -> None:
+    name = f"{prefix}loading"
+    leases.acquire(name, POD_A)
+    staged = write_model(layout.staging / f"{name}.test", model_py=SLOW_LOAD_MODEL)
+    os.rename(staged, layout.model_dir(name))
+    client = TritonClient(triton.url)
+    wait_for(lambda: any(s.state == "LOADING" for s in client.model_states(name)), f"{name} never LOADING")
+    clock.advance(TTL_S + 1)  # the loader died mid-load
+    assert removed(collector) == []
+    assert layout.model_dir(name).is_dir()
+    assert f"gc keeps {name} this pass: Triton is LOADING it" in gc_log.text
+    wait_model_ready(triton, name)  # the load was not disturbed
+    assert removed(collector) == [("model", name)]
+    wait_for(lambda: not model_ready(triton, name), f"Triton still serves {name}")
+
+
+def test_staging_leftovers_older_than_the_ttl_go_and_fresh_ones_stay(
+    layout: NodeLayout, collector: Collector, clock: Clock, prefix: str
+) -> None:
+    killed = layout.staging / f"{prefix}m.download.{uuid.uuid4().hex[:12]}"
+    (killed / "1").mkdir(parents=True)
+    (killed / "1" / "model.plan").write_bytes(b"partial")
+    stray = layout.staging / f"{prefix}stray.tmp"
+    stray.write_bytes(b"x")
+    clock.advance(TTL_S + 1)
+    downloading = layout.staging / f"{prefix}n.download.{uuid.uuid4().hex[:12]}"
+    (downloading / "1").mkdir(parents=True)
+    (downloading / "1" / "model.plan").write_bytes(b"growing")
+    os.utime(downloading / "1" / "model.plan", (clock.now, clock.now))  # written "just now" in gc's time
+    assert sorted(removed(collector)) == sorted([("staging", killed.name), ("staging", stray.name)])
+    assert not killed.exists() and not stray.exists()
+    assert (downloading / "1" / "model.plan").read_bytes() == b"growing"
+
+
+def test_unpacked_files_with_old_mtimes_do_not_make_a_download_look_abandoned(
+    layout: NodeLayout, collector: Collector, prefix: str
+) -> None:
+    unpacking = layout.staging / f"{prefix}m.download.{uuid.uuid4().hex[:12]}"
+    (unpacking / "1").mkdir(parents=True)
+    (unpacking / "1" / "model.onnx").write_bytes(b"from a 2019 tarball")
+    for path in (unpacking / "1" / "model.onnx", unpacking / "1", unpacking):
+        os.utime(path, (1_560_000_000, 1_560_000_000))  # tar keeps the archive's mtimes
+    assert removed(collector) == []  # ctime says the files were made here just now
+    assert unpacking.is_dir()
+
+
+def test_without_triton_no_model_is_removed_but_staging_still_is(
+    bare_layout: NodeLayout, tmp_path: Path, clock: Clock, gc_log: pytest.LogCaptureFixture
+) -> None:
+    write_model(bare_layout.model_dir("resnet"))
+    leftover = bare_layout.staging / f"resnet.download.{uuid.uuid4().hex[:12]}"
+    leftover.mkdir()
+    settings = GcSettings(layout=bare_layout, leases=tmp_path / "leases", lease_ttl_s=TTL_S)
+    collector = Collector(settings, client=TritonClient(f"http://127.0.0.1:{free_port()}"), clock=clock)
+    clock.advance(TTL_S + 30)
+    assert removed(collector) == [("staging", leftover.name)]
+    assert bare_layout.model_dir("resnet").is_dir()
+    assert "gc keeps every model this pass" in gc_log.text
+
+
+def test_leases_of_models_that_are_not_installed_go_once_expired(
+    bare_layout: NodeLayout, tmp_path: Path, clock: Clock
+) -> None:
+    collector = Collector(GcSettings(layout=bare_layout, leases=tmp_path / "leases", lease_ttl_s=TTL_S), clock=clock)
+    collector.store.acquire("crashed", POD_A)  # its loader died before publishing
+    clock.advance(TTL_S + 1)
+    collector.store.acquire("downloading", POD_B)  # a loader at work: its model is not there yet
+    assert removed(collector) == [("leases", "crashed")]
+    assert collector.store.names() == ["downloading"]
+
+
+def test_run_sweeps_every_interval_until_stopped(bare_layout: NodeLayout, tmp_path: Path, clock: Clock) -> None:
+    settings = GcSettings(layout=bare_layout, leases=tmp_path / "leases", lease_ttl_s=TTL_S, interval_s=0.1)
+    stop = threading.Event()
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(run(settings, stop=stop, clock=clock)))
+    thread.start()
+    try:
+        leftover = bare_layout.staging / f"m.download.{uuid.uuid4().hex[:12]}"
+        leftover.mkdir()
+        time.sleep(0.3)
+        assert leftover.exists()  # young: passes go by and leave it
+        clock.advance(TTL_S + 30)
+        wait_for(lambda: not leftover.exists(), "a later pass did not remove the leftover", timeout_s=5)
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+    assert codes == [ExitCode.OK]
+
+
+def test_the_command_makes_one_pass_with_options_from_the_environment(
+    triton: TritonServer, bare_layout: NodeLayout, tmp_path: Path, gc_log: pytest.LogCaptureFixture
+) -> None:
+    write_model(bare_layout.model_dir("resnet"))
+    store = LeaseStore(tmp_path / "leases")
+    store.acquire("resnet", POD_A)
+    old = time.time() - 120
+    os.utime(store.path("resnet", POD_A), (old, old))  # the last heartbeat was two minutes ago
+    args = ["--once", "--repository", str(bare_layout.repository), "--staging", str(bare_layout.staging)]
+    env = {
+        "TRITONSHARE_LEASES": str(tmp_path / "leases"),
+        "TRITONSHARE_LEASE_TTL_S": "60",
+        "TRITONSHARE_TRITON_URL": triton.url,
+        "TRITONSHARE_TERMINATION_LOG": str(tmp_path / "termination-log"),
+    }
+    result = CliRunner().invoke(gc, args, env=env)
+    assert result.exit_code == ExitCode.OK, result.output
+    assert not bare_layout.model_dir("resnet").exists()
+    assert "gc removed model resnet" in gc_log.text
+
+
+def test_the_command_refuses_a_missing_repository(tmp_path: Path) -> None:
+    (tmp_path / "staging").mkdir()
+    termination = tmp_path / "termination-log"
+    args = ["--once", "--repository", str(tmp_path / "models"), "--staging", str(tmp_path / "staging")]
+    result = CliRunner().invoke(gc, [*args, "--termination-log", str(termination)])
+    assert result.exit_code == ExitCode.USAGE
+    assert "repository folder" in termination.read_text()
+    assert "does not exist" in termination.read_text()
