@@ -127,6 +127,14 @@ def test_release_without_a_lease_leaves_the_model_alone(store: LeaseStore) -> No
     assert [lease.holder for lease in store.leases("resnet")] == [POD_B]
 
 
+def test_forget_drops_only_the_holders_own_lease(store: LeaseStore) -> None:
+    store.acquire("resnet", POD_A)
+    store.acquire("resnet", POD_B)
+    assert store.forget("resnet", POD_A) is True
+    assert store.forget("resnet", POD_A) is False
+    assert [lease.holder for lease in store.leases("resnet")] == [POD_B]
+
+
 def test_an_unreadable_lease_still_counts_by_its_mtime(store: LeaseStore, clock: Clock) -> None:
     folder = store.root / "resnet"
     folder.mkdir(parents=True)
@@ -140,7 +148,8 @@ def test_an_unreadable_lease_still_counts_by_its_mtime(store: LeaseStore, clock:
 def test_names_lists_lease_folders_only(store: LeaseStore) -> None:
     store.acquire("resnet", POD_A)
     store.acquire("bert", POD_A)
-    assert store.names() == ["bert", "resnet"]  # not the .locks folder
+    (store.root / "not a name").mkdir()
+    assert store.names() == ["bert", "resnet"]  # not the .locks folder, nor what no NAME can be
 
 
 @pytest.mark.parametrize("uid", ["", "../etc", "a/b", ".hidden", "x" * 129])

@@ -267,6 +267,18 @@ def test_without_triton_no_model_is_removed_but_staging_still_is(
     assert "gc keeps every model this pass" in gc_log.text
 
 
+def test_a_folder_no_lease_can_name_is_left_alone_and_the_pass_goes_on(
+    triton: TritonServer, bare_layout: NodeLayout, tmp_path: Path, clock: Clock, gc_log: pytest.LogCaptureFixture
+) -> None:
+    write_model(bare_layout.model_dir(".editor-backup"))
+    write_model(bare_layout.model_dir("resnet"))
+    settings = GcSettings(layout=bare_layout, leases=tmp_path / "leases", triton_url=triton.url, lease_ttl_s=TTL_S)
+    clock.advance(TTL_S + 30)
+    assert removed(Collector(settings, clock=clock)) == [("model", "resnet")]
+    assert bare_layout.model_dir(".editor-backup").is_dir()
+    assert "gc leaves .editor-backup alone" in gc_log.text
+
+
 def test_leases_of_models_that_are_not_installed_go_once_expired(
     bare_layout: NodeLayout, tmp_path: Path, clock: Clock
 ) -> None:

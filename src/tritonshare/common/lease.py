@@ -149,6 +149,15 @@ class LeaseStore:
             self.drop(name)
             return Release.LAST
 
+    def forget(self, name: str, holder: Holder) -> bool:
+        """Drop ``holder``'s lease and touch nothing else (a loader that failed, an unload that must leave a
+        LOADING model in place): with no fresh lease left, gc removes the model later. False if none."""
+        try:
+            self.path(name, holder).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
     def leases(self, name: str) -> list[Lease]:
         folder = self.root / check_model_name(name)
         try:
@@ -173,7 +182,7 @@ class LeaseStore:
             entries = sorted(self.root.iterdir())
         except FileNotFoundError:
             return []
-        return [p.name for p in entries if p.is_dir() and not p.name.startswith(".")]
+        return [p.name for p in entries if p.is_dir() and _is_model_name(p.name)]
 
     def drop(self, name: str) -> None:
         """Remove every lease on NAME (once the model is gone). Call it under :meth:`lock`."""
@@ -236,6 +245,14 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.beat()
+
+
+def _is_model_name(name: str) -> bool:
+    try:
+        check_model_name(name)
+    except UsageError:
+        return False
+    return True
 
 
 def _encode(lease: Lease) -> bytes:

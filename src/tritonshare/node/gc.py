@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from tritonshare.common.errors import ExitCode, TritonshareError, TritonUnavailable
-from tritonshare.common.layout import NodeLayout
+from tritonshare.common.errors import ExitCode, TritonshareError, TritonUnavailable, UsageError
+from tritonshare.common.layout import NodeLayout, check_model_name
 from tritonshare.common.lease import DEFAULT_LEASES, DEFAULT_TTL_S, Clock, LeaseStore
 from tritonshare.common.repository import discard, read_record, retire
 from tritonshare.common.triton import TritonClient
@@ -86,6 +86,7 @@ class Collector:
     def _models(self) -> list[Removal]:
         repository = self.settings.layout.repository
         names = [p.name for p in sorted(repository.iterdir()) if p.is_dir() and self.managed(p.name)]
+        names = [name for name in names if _keyable(name)]
         candidates = [name for name in names if self._model_reason(name) is not None]
         if not candidates:
             return []
@@ -207,6 +208,15 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
+
+
+def _keyable(name: str) -> bool:
+    try:
+        check_model_name(name)
+    except UsageError:
+        logger.warning("gc leaves %s alone: its folder name is not a valid model NAME, so no lease can name it", name)
+        return False
+    return True
 
 
 def _installed_at(model_dir: Path) -> float | None:
