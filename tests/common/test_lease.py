@@ -208,3 +208,7 @@ def test_heartbeat_keeps_the_lease_fresh_and_retakes_a_lost_one(
     clock.advance(50)
     time.sleep(0.1)
     assert store.leases("resnet")[0].renewed_at == pytest.approx(clock.now - 50)  # stopped: no more beats
+
+
+def test_heartbeat_beats_ten_times_per_ttl_by_default(store: LeaseStore) -> None:
+    assert Heartbeat(store, store.acquire("resnet", POD_A)).interval_s == pytest.approx(6.0)

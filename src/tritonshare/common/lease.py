@@ -202,13 +202,14 @@ class LeaseStore:
 
 
 class Heartbeat:
-    """Keeps one lease fresh from a daemon thread: a refresh every ``interval_s``. A lease that vanished
-    (an operator, or gc after missed beats) is taken again, and the loss is logged."""
+    """Keeps one lease fresh from a daemon thread: a refresh every ``interval_s`` (default: a tenth of the
+    TTL, so nine beats can be missed before the lease expires). A lease that vanished (an operator, or gc
+    after missed beats) is taken again, and the loss is logged."""
 
-    def __init__(self, store: LeaseStore, lease: Lease, *, interval_s: float) -> None:
+    def __init__(self, store: LeaseStore, lease: Lease, *, interval_s: float | None = None) -> None:
         self.store = store
         self.lease = lease
-        self.interval_s = interval_s
+        self.interval_s = store.ttl_s / 10 if interval_s is None else interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{lease.name}", daemon=True)
 
