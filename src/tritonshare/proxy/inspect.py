@@ -1,0 +1,151 @@
+"""The infer-body check: an inference request must not name a shared-memory parameter (REFERENCE §3).
+
+Shared-memory parameters (``shared_memory_region`` ...) make Triton read inputs from, or write outputs to, a
+region registered by whoever registered it — another tenant's memory. The proxy refuses any request whose
+JSON carries one of those keys, anywhere: request parameters, input or output parameters, or any other object
+(a conservative rule: it checks every key of every JSON object, duplicates included).
+
+What the JSON is, read the way Triton reads it (``http_server.cc``):
+
+- the body is decoded first when ``Content-Encoding`` is gzip or deflate (Triton inflates both with zlib's
+  automatic header detection, ``inflateInit2(15 | 32)``, and stops at the end of the first stream);
+- infer: with the binary-tensor extension, the JSON is the first ``Inference-Header-Content-Length`` bytes of
+  the decoded body; ``0`` means a raw binary body (no JSON at all); without the header, the whole body;
+- generate / generate_stream: the whole body (the header is ignored by Triton there).
+
+Only the JSON part is held, bounded by ``max_json_bytes`` (more is a 413); compressed input is inflated only
+as far as that part, in bounded steps, so a gzip bomb cannot blow memory. The fast path: JSON that contains
+neither ``shared_memory_`` nor a ``\\u`` escape cannot spell such a key, so it is not parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Any
+
+from tritonshare.proxy.policy import SHM_MARKER, SHM_PARAMETERS
+
+# Content-Encoding -> zlib wbits (None: the body is not encoded). Both compressed forms are read with automatic
+# zlib/gzip header detection, as Triton does.
+ENCODINGS: dict[str, int | None] = {"": None, "identity": None, "gzip": 47, "deflate": 47}
+
+
+class BodyRefused(Exception):
+    """The body may not be forwarded; the proxy answers ``status`` itself."""
+
+    def __init__(self, status: int, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.reason = reason
+
+
+class _ShmKey(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def check_json(part: bytes) -> None:
+    """Raise :class:`BodyRefused` if this JSON names a shared-memory parameter or cannot be read."""
+    if SHM_MARKER not in part and b"\\u" not in part:
+        return
+    try:
+        json.loads(part.decode("utf-8"), object_pairs_hook=_no_shm_keys)
+    except _ShmKey as exc:
+        raise BodyRefused(
+            400,
+            f"shared-memory parameter {exc.key!r} is not allowed through this proxy; send tensor data in the "
+            "request (JSON or binary) instead",
+            "shared_memory",
+        ) from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise BodyRefused(400, f"the request's JSON cannot be parsed: {str(exc)[:200]}", "bad_json") from None
+
+
+def _no_shm_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    for key, _ in pairs:
+        if key in SHM_PARAMETERS:
+            raise _ShmKey(key)
+    return dict(pairs)
+
+
+class InferBodyCheck:
+    """Fed the request body's payload (already de-chunked) as it arrives; decides once the JSON part is read.
+
+    :meth:`feed` returns True once the JSON part is complete and clean (the rest of the body needs no look);
+    :meth:`finish` is called at the end of the body if :meth:`feed` never returned True.
+    Both raise :class:`BodyRefused`.
+    """
+
+    def __init__(self, *, encoding: str, json_length: int | None, max_json_bytes: int) -> None:
+        if encoding not in ENCODINGS:
+            raise BodyRefused(
+                415, f"Content-Encoding {encoding!r} is not supported: use gzip, deflate or identity", "encoding"
+            )
+        if json_length is not None and json_length > max_json_bytes:
+            raise BodyRefused(413, _too_large(max_json_bytes), "too_large")
+        wbits = ENCODINGS[encoding]
+        self._inflate = zlib.decompressobj(wbits) if wbits is not None else None
+        self._wanted = json_length  # None: the whole (decoded) body is JSON
+        self._limit = max_json_bytes
+        self._json = bytearray()
+
+    @property
+    def needed(self) -> int:
+        """Decoded bytes still wanted before the JSON part is complete (or the limit + 1 if unknown)."""
+        goal = self._wanted if self._wanted is not None else self._limit + 1
+        return goal - len(self._json)
+
+    def feed(self, payload: bytes | memoryview) -> bool:
+        if self._inflate is None:
+            self._json += payload[: self.needed]
+        else:
+            self._inflate_some(payload)
+        if self._wanted is None:
+            if len(self._json) > self._limit:
+                raise BodyRefused(413, _too_large(self._limit), "too_large")
+            return False
+        if len(self._json) < self._wanted:
+            return False
+        check_json(bytes(self._json))
+        self._json = bytearray()
+        return True
+
+    def finish(self) -> None:
+        if self._inflate is not None and not self._inflate.eof:
+            raise BodyRefused(400, "the body ends before the end of its compressed stream", "encoding")
+        if self._wanted is not None and len(self._json) < self._wanted:
+            raise BodyRefused(
+                400,
+                f"Inference-Header-Content-Length {self._wanted} is more than the body's {len(self._json)} bytes",
+                "bad_request",
+            )
+        check_json(bytes(self._json))
+        self._json = bytearray()
+
+    def _inflate_some(self, payload: bytes | memoryview) -> None:
+        inflate = self._inflate
+        assert inflate is not None
+        if inflate.eof:
+            self._after_stream(payload)
+            return
+        data: bytes | memoryview = payload
+        try:
+            while data and self.needed > 0 and not inflate.eof:
+                self._json += inflate.decompress(data, self.needed)
+                data = inflate.unconsumed_tail
+        except zlib.error as exc:
+            raise BodyRefused(400, f"the compressed body cannot be decoded: {exc}", "encoding") from None
+        if inflate.eof:
+            self._after_stream(inflate.unused_data)
+
+    def _after_stream(self, extra: bytes | memoryview) -> None:
+        # Triton stops at the end of the first stream; anything after it could be read two ways.
+        if extra:
+            raise BodyRefused(400, "data follows the end of the compressed body", "encoding")
+
+
+def _too_large(limit: int) -> str:
+    return f"the request's JSON is larger than the proxy's limit of {limit} bytes (max_json_bytes)"

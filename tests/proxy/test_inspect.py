@@ -1,0 +1,120 @@
+"""The infer-body check (shared-memory parameters), read the way Triton reads the body. Pure logic."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import resource
+import zlib
+from typing import Any
+
+import pytest
+
+from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, check_json
+
+CLEAN: dict[str, Any] = {
+    "id": "shared_memory_region",  # the words as a value are fine: only keys are parameters
+    "parameters": {"priority": 1},
+    "inputs": [{"name": "INPUT0", "shape": [2], "datatype": "FP32", "data": [1, 2], "parameters": {}}],
+    "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": False}}],
+}
+
+
+def _with_shm(where: str, key: str = "shared_memory_region") -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(json.dumps(CLEAN))
+    target = {"request": doc, "input": doc["inputs"][0], "output": doc["outputs"][0]}[where]
+    target["parameters"][key] = "region0"
+    return doc
+
+
+def _refused(call: Any, *args: Any, **kwargs: Any) -> BodyRefused:
+    with pytest.raises(BodyRefused) as caught:
+        call(*args, **kwargs)
+    return caught.value
+
+
+def test_clean_json_passes() -> None:
+    check_json(json.dumps(CLEAN).encode())
+
+
+@pytest.mark.parametrize("where", ["request", "input", "output"])
+@pytest.mark.parametrize("key", ["shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"])
+def test_shared_memory_parameters_are_refused_wherever_they_are(where: str, key: str) -> None:
+    refusal = _refused(check_json, json.dumps(_with_shm(where, key)).encode())
+    assert refusal.status == 400 and key in refusal.message and refusal.reason == "shared_memory"
+
+
+def test_escaped_and_duplicated_keys_are_seen() -> None:
+    escaped = b'{"inputs": [], "parameters": {"shared\\u005fmemory_region": "r"}}'
+    assert _refused(check_json, escaped).reason == "shared_memory"
+    # rapidjson (Triton) keeps the first of two equal keys, Python's json the last: every pair is checked.
+    twice = b'{"parameters": {"shared_memory_region": "r"}, "parameters": {}}'
+    assert _refused(check_json, twice).reason == "shared_memory"
+
+
+def test_unreadable_json_that_might_hide_a_key_is_refused() -> None:
+    assert _refused(check_json, b'{"shared_memory_region": ').reason == "bad_json"
+    assert _refused(check_json, b'{"a": "\\u00e9", "b": "\xff"}').reason == "bad_json"
+    assert _refused(check_json, b"[" * 100_000 + b'"\\u0041"' + b"]" * 100_000).reason == "bad_json"
+
+
+def _check(body: bytes, *, encoding: str = "", json_length: int | None = None, limit: int = 1 << 20) -> bool:
+    """Feed ``body`` one byte at a time, as the slowest client would; True once the JSON part is judged."""
+    check = InferBodyCheck(encoding=encoding, json_length=json_length, max_json_bytes=limit)
+    for i in range(len(body)):
+        if check.feed(body[i : i + 1]):
+            return True
+    check.finish()
+    return False
+
+
+def test_binary_extension_judges_only_the_json_header() -> None:
+    header = json.dumps(CLEAN).encode()
+    binary = b"shared_memory_region" * 10  # tensor bytes are not JSON
+    assert _check(header + binary, json_length=len(header)) is True
+    bad = json.dumps(_with_shm("input")).encode()
+    assert _refused(_check, bad + binary, json_length=len(bad)).reason == "shared_memory"
+
+
+@pytest.mark.parametrize("compress", [gzip.compress, zlib.compress], ids=["gzip", "deflate"])
+def test_compressed_bodies_are_decoded_before_the_check(compress: Any) -> None:
+    encoding = "gzip" if compress is gzip.compress else "deflate"
+    assert _check(compress(json.dumps(CLEAN).encode()), encoding=encoding) is False
+    bad = json.dumps(_with_shm("request")).encode()
+    assert _refused(_check, compress(bad), encoding=encoding).reason == "shared_memory"
+    binary_bad = compress(bad + b"\x00" * 1000)
+    assert _refused(_check, binary_bad, encoding=encoding, json_length=len(bad)).reason == "shared_memory"
+
+
+def test_compressed_oddities_are_refused() -> None:
+    body = gzip.compress(json.dumps(CLEAN).encode())
+    assert _refused(_check, body[:-5], encoding="gzip").reason == "encoding"  # truncated stream
+    assert _refused(_check, body + gzip.compress(b'{"shared_memory_region":1}'), encoding="gzip").reason == "encoding"
+    assert _refused(_check, b"not compressed at all", encoding="gzip").reason == "encoding"
+    assert _refused(_new, "br", None, 100).status == 415
+
+
+def _new(encoding: str, json_length: int | None, limit: int) -> InferBodyCheck:
+    return InferBodyCheck(encoding=encoding, json_length=json_length, max_json_bytes=limit)
+
+
+def test_json_larger_than_the_limit_is_413() -> None:
+    assert _refused(_new, "", 2000, 1000).status == 413  # declared too large
+    check = _new("", None, 1000)
+    assert _refused(check.feed, b" " * 1001).status == 413
+
+
+def test_a_gzip_bomb_is_stopped_without_inflating_it() -> None:
+    bomb = zlib.compressobj(9, zlib.DEFLATED, 31)
+    piece = bomb.compress(b"\x00" * (64 << 20)) + bomb.flush(zlib.Z_SYNC_FLUSH)  # 64 MiB of zeros
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    check = _new("gzip", None, 1 << 20)
+    refusal = _refused(lambda: [check.feed(piece) for _ in range(64)])  # 4 GiB once inflated
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert refusal.status == 413
+    assert grown_kib < 16 * 1024, f"peak RSS grew by {grown_kib} KiB while refusing a gzip bomb"
+
+
+def test_a_short_body_for_the_declared_json_length_is_refused() -> None:
+    refusal = _refused(_check, b'{"inputs": []}', json_length=100)
+    assert refusal.status == 400 and "Inference-Header-Content-Length" in refusal.message
