@@ -1,0 +1,721 @@
+"""The REST front end: a byte-level HTTP/1.1 forwarder on asyncio (uvloop) protocols, no framework.
+
+Per request: the head is parsed strictly (:mod:`tritonshare.proxy.http1`), judged by the policy table
+(:func:`tritonshare.proxy.policy.judge_rest`), and either answered here or forwarded as a head rebuilt from
+the canonical path and the client's end-to-end headers, so Triton parses exactly what was judged. Infer bodies
+are held only until their JSON part is checked (:mod:`tritonshare.proxy.inspect`); the rest of a body, and the
+whole response, pass through as bytes, as they arrive (server-sent events of ``generate_stream`` included).
+
+Connections: each client connection gets its own connection to Triton (1:1, opened at its first forwarded
+request) and one request at a time: bytes of a next (pipelined) request wait until the response is complete.
+Connections to Triton left idle when their client goes are kept in a small pool, so one-request clients (curl,
+probes) do not pay a connect each. Back-pressure both ways: reading from one side pauses while the other
+side's write buffer is full, so a large tensor streams through in bounded memory.
+
+Parsed heads are memoised by their exact bytes: clients repeat the same head, and parsing and judging are
+pure functions of it (the drain state is checked per request, outside the memo).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.parse
+from dataclasses import dataclass
+from typing import cast
+
+from tritonshare.proxy.http1 import (
+    CONTINUE,
+    LAST_CHUNK,
+    ChunkedReader,
+    HttpError,
+    RequestHead,
+    ResponseHead,
+    ResponseReader,
+    chunk,
+    error_response,
+    parse_request_head,
+    upstream_head,
+)
+from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, check_json
+from tritonshare.proxy.policy import RestDecision, judge_rest
+from tritonshare.proxy.state import ProxyState
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL = "rest"
+IDLE_UPSTREAMS = 8  # idle connections to Triton kept for the next client
+LINGER_S = 2.0  # after the proxy closes a connection, how long it still reads (and drops) what the client sends
+_HEAD_MEMO = 512  # parsed heads kept
+_MEMO_HEAD_BYTES = 4096  # longer heads are not memoised
+_WHOLE_BODY_BYTES = 64 * 1024  # a body that arrived with its head is sent with it in one write, up to this
+_HELD_SLACK = 1 << 20  # compressed bytes held beyond max_json_bytes before the JSON part must be complete
+
+# Why client reading is paused (bits): no connection to Triton yet, Triton's write buffer full, a pipelined
+# request waiting for the current response.
+_CONNECTING, _UPSTREAM_FULL, _BACKLOG = 1, 2, 4
+
+_REFUSAL_REASONS = {400: "bad_request", 403: "denied", 404: "not_found", 405: "method"}
+
+
+@dataclass(frozen=True, slots=True)
+class Judged:
+    head: RequestHead
+    decision: RestDecision
+    upstream: bytes  # the head for Triton (forwarded requests only)
+
+
+class RestFrontend:
+    """Listens on ``settings.http_port``; one :class:`ClientConnection` per client connection."""
+
+    protocol = PROTOCOL
+
+    def __init__(self, state: ProxyState) -> None:
+        self.state = state
+        settings = state.settings
+        url = urllib.parse.urlsplit(settings.triton_url)
+        self.host_header = url.netloc.encode()
+        self.strip = frozenset(name.lower().encode() for name in settings.strip_headers)
+        self.pool = UpstreamPool(url.hostname or "127.0.0.1", url.port or 80, settings.connect_timeout_s, state)
+        self.connections: set[ClientConnection] = set()
+        self.response_heads: dict[bytes, ResponseHead] = {}
+        self._heads: dict[bytes, Judged] = {}
+        self._server: asyncio.Server | None = None
+
+    @property
+    def port(self) -> int:
+        if self._server is None or not self._server.sockets:
+            raise RuntimeError("the REST front end is not listening; call start() first")
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        settings = self.state.settings
+        self._server = await loop.create_server(
+            lambda: ClientConnection(self), settings.host, settings.http_port, backlog=1024, reuse_address=True
+        )
+
+    def stop_accepting(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    def begin_drain(self) -> None:
+        for connection in list(self.connections):
+            connection.drain()
+
+    def abort(self) -> None:
+        for connection in list(self.connections):
+            connection.abort()
+        self.pool.close()
+
+    def judge(self, raw: bytes) -> Judged:
+        """Parse and judge a request head (raises :class:`HttpError`); memoised by the head's bytes."""
+        judged = self._heads.get(raw)
+        if judged is None:
+            head = parse_request_head(raw, self.strip)
+            decision = judge_rest(head.method, head.target, self.state.own)
+            upstream = upstream_head(head, decision.upstream_path, self.host_header) if not decision.status else b""
+            judged = Judged(head, decision, upstream)
+            if len(raw) <= _MEMO_HEAD_BYTES:
+                if len(self._heads) >= _HEAD_MEMO:
+                    self._heads.clear()
+                self._heads[raw] = judged
+        return judged
+
+
+class Exchange:
+    """One request on a client connection, from its head to the end of its response."""
+
+    __slots__ = (
+        "judged",
+        "route",
+        "left",
+        "chunks",
+        "check",
+        "held",
+        "held_bytes",
+        "discard",
+        "begun",
+        "started",
+        "request_done",
+        "response_done",
+        "response",
+    )
+
+    def __init__(self, judged: Judged, frontend: RestFrontend) -> None:
+        head = judged.head
+        self.judged = judged
+        self.route = judged.decision.route
+        self.left = head.content_length or 0  # body bytes still to read (Content-Length framing)
+        self.chunks = ChunkedReader(400) if head.chunked else None
+        self.check: InferBodyCheck | None = None
+        self.held: list[bytes | memoryview] = []  # body payload held until the check passes
+        self.held_bytes = 0
+        self.discard = False  # the body is read and dropped (the proxy answered)
+        self.begun = False  # forwarded: counted in flight
+        self.started = 0.0
+        self.request_done = False
+        self.response_done = False
+        self.response = ResponseReader(frontend.response_heads, no_body=head.method == "HEAD")
+
+
+class ClientConnection(asyncio.Protocol):
+    def __init__(self, frontend: RestFrontend) -> None:
+        self.fe = frontend
+        self.state = frontend.state
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""  # client bytes not yet acted on
+        self.exchange: Exchange | None = None
+        self.upstream: Upstream | None = None
+        self.connecting: asyncio.Task[None] | None = None
+        self.queued: list[bytes | memoryview] = []  # for Triton, while connecting
+        self.close_after = False  # close once the current exchange ends
+        self.drain_grace = False  # the request in progress when draining began may still complete
+        self.closing = False
+        self.closed = False
+        self.paused = 0
+        self.linger: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------------------------------ client side
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        self.fe.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        if self.buf:
+            data, self.buf = self.buf + data, b""
+        self._consume(data)
+
+    def eof_received(self) -> bool:
+        ex = self.exchange
+        if ex is None or not ex.request_done or self.closing:
+            return False
+        self.close_after = True  # a client that half-closed after its request still gets the response
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = self.closing = True
+        self.fe.connections.discard(self)
+        if self.linger is not None:
+            self.linger.cancel()
+        if self.connecting is not None:
+            self.connecting.cancel()
+        ex, upstream = self.exchange, self.upstream
+        self.exchange = self.upstream = None
+        if ex is not None and ex.begun and not ex.response_done:
+            self.state.end(PROTOCOL, ex.route, "499", ex.started)  # the client went away first
+            if upstream is not None:
+                upstream.close()
+        elif upstream is not None:
+            self.fe.pool.give(upstream)
+
+    def pause_writing(self) -> None:
+        if self.upstream is not None:
+            self.upstream.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.upstream is not None:
+            self.upstream.resume_reading()
+
+    def drain(self) -> None:
+        """Draining: an idle connection closes now; a busy one after its current response."""
+        if self.exchange is None and not self.buf:
+            self._shutdown()
+        else:
+            self.close_after = self.drain_grace = True
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _consume(self, data: bytes) -> None:
+        while data and not self.closing:
+            ex = self.exchange
+            if ex is None:
+                data = self._read_head(data)
+            elif not ex.request_done:
+                data = self._read_body(ex, data)
+            else:  # a pipelined request: it waits for the current response
+                self.buf = data
+                if len(data) > self.state.settings.max_header_bytes:
+                    self._pause(_BACKLOG)
+                return
+
+    def _read_head(self, data: bytes) -> bytes:
+        end = data.find(b"\r\n\r\n")
+        limit = self.state.settings.max_header_bytes
+        if end < 0 or end > limit:
+            if end > limit or len(data) > limit:
+                self._fail(HttpError(431, f"request head larger than {limit} bytes", "too_large"))
+            elif data.startswith(b"\r\n"):  # empty lines before a request line are ignored (RFC 9112 §2.2)
+                return data[2:]
+            else:
+                self.buf = data
+            return b""
+        try:
+            judged = self.fe.judge(data[:end])
+        except HttpError as exc:
+            self._fail(exc)
+            return b""
+        return self._start(judged, data[end + 4 :])
+
+    def _start(self, judged: Judged, rest: bytes) -> bytes:
+        ex = self.exchange = Exchange(judged, self.fe)
+        head, decision = judged.head, judged.decision
+        if self.state.draining and not self.drain_grace:
+            self._refuse(ex, 503, "the proxy is shutting down; retry on another replica", "draining", close=True)
+        elif decision.status:
+            self._refuse(ex, decision.status, decision.message, _REFUSAL_REASONS.get(decision.status, "denied"))
+        else:
+            self.drain_grace = False
+            if not head.keep_alive:
+                self.close_after = True
+            return self._forward(ex, head, rest)
+        if not head.has_body:
+            self._request_done(ex)
+        return rest
+
+    def _forward(self, ex: Exchange, head: RequestHead, rest: bytes) -> bytes:
+        self._ensure_upstream()
+        rule = ex.judged.decision.rule
+        try:
+            if rule is not None and rule.inspect and head.has_body:
+                if not head.chunked and not head.content_encoding and len(rest) >= ex.left:
+                    return self._forward_whole(ex, head, rest)  # fast path: the body came with its head
+                ex.check = self._body_check(ex, head)
+        except BodyRefused as exc:
+            self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
+            return rest
+        if head.expect_continue:
+            self._write(CONTINUE)
+        if ex.check is None:
+            self._begin(ex)
+        if not head.has_body:
+            self._request_done(ex)
+        return rest
+
+    def _forward_whole(self, ex: Exchange, head: RequestHead, rest: bytes) -> bytes:
+        """A whole plain body is in ``rest``: check its JSON part, send head and body in one write."""
+        size = ex.left
+        body = rest if len(rest) == size else rest[:size]
+        json_length = self._json_length(ex, head)
+        if json_length != 0:
+            check_json(body if json_length is None else body[:json_length])
+        ex.left = 0
+        if size <= _WHOLE_BODY_BYTES:
+            self._begin(ex, ex.judged.upstream + body)
+        else:
+            self._begin(ex)
+            self._send(body)
+        self._request_done(ex)
+        return rest[size:] if len(rest) > size else b""
+
+    def _json_length(self, ex: Exchange, head: RequestHead) -> int | None:
+        """Decoded bytes of JSON at the start of the body; None: all of it; 0: none (a raw binary infer)."""
+        if ex.route != "infer":  # generate parses the whole body and ignores the header
+            return None
+        length = head.inference_header_length
+        if length is not None and head.content_length is not None and not head.content_encoding:
+            if length > head.content_length:
+                raise BodyRefused(400, f"Inference-Header-Content-Length {length} exceeds the body", "bad_request")
+        return length
+
+    def _body_check(self, ex: Exchange, head: RequestHead) -> InferBodyCheck | None:
+        json_length = self._json_length(ex, head)
+        if json_length == 0:
+            return None
+        return InferBodyCheck(
+            encoding=head.content_encoding,
+            json_length=json_length,
+            max_json_bytes=self.state.settings.max_json_bytes,
+        )
+
+    def _read_body(self, ex: Exchange, data: bytes) -> bytes:
+        if ex.chunks is None:
+            size = ex.left
+            part, rest = (data, b"") if len(data) <= size else (data[:size], data[size:])
+            ex.left -= len(part)
+            self._body_part(ex, part)
+            if not ex.left and not self.closing:
+                self._body_end(ex)
+            return rest
+        payload: list[memoryview] = []
+        try:
+            end = ex.chunks.feed(data, 0, payload)
+        except HttpError as exc:
+            self._fail(exc)
+            return b""
+        for piece in payload:
+            self._body_part(ex, piece)
+        if end < 0 or self.closing:
+            return b""
+        self._body_end(ex)
+        return data[end:]
+
+    def _body_part(self, ex: Exchange, part: bytes | memoryview) -> None:
+        if ex.discard or not part:
+            return
+        if ex.check is None:
+            self._send_payload(ex, part)
+            return
+        ex.held.append(part)
+        ex.held_bytes += len(part)
+        try:
+            if ex.held_bytes > self.state.settings.max_json_bytes + _HELD_SLACK:
+                raise BodyRefused(413, "the request's JSON part is too large to check", "too_large")
+            if ex.check.feed(part):
+                self._release(ex)
+        except BodyRefused as exc:
+            self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
+
+    def _body_end(self, ex: Exchange) -> None:
+        if ex.check is not None and not ex.discard:
+            try:
+                ex.check.finish()
+            except BodyRefused as exc:
+                self._refuse(ex, exc.status, exc.message, exc.reason)
+            else:
+                self._release(ex)
+        if ex.chunks is not None and ex.begun:
+            self._send(LAST_CHUNK)
+        self._request_done(ex)
+
+    def _release(self, ex: Exchange) -> None:
+        """The check passed: send the head and the payload held so far."""
+        ex.check = None
+        self._begin(ex)
+        held, ex.held = ex.held, []
+        for part in held:
+            self._send_payload(ex, part)
+
+    def _send_payload(self, ex: Exchange, part: bytes | memoryview) -> None:
+        if ex.chunks is None:
+            self._send(part)
+        else:
+            for piece in chunk(part):
+                self._send(piece)
+
+    def _request_done(self, ex: Exchange) -> None:
+        ex.request_done = True
+        if ex.response_done:
+            self._finish(ex)
+
+    def _finish(self, ex: Exchange) -> None:
+        """Both the request and its response are complete: on to the next request, if any."""
+        self.exchange = None
+        if self.close_after:
+            self._shutdown()
+            return
+        self._unpause(_BACKLOG)
+        if self.buf and not self.paused:
+            data, self.buf = self.buf, b""
+            self._consume(data)
+
+    def _refuse(self, ex: Exchange, status: int, message: str, reason: str, *, close: bool = False) -> None:
+        """Answer a request here; the rest of its body is read and dropped (or the connection closes)."""
+        self.state.refuse(PROTOCOL, ex.route, str(status), reason)
+        logger.debug("refused %s %s with %d: %s", ex.judged.head.method, ex.judged.head.target, status, message)
+        ex.discard = ex.response_done = True
+        ex.check, ex.held = None, []
+        head = ex.judged.head
+        # After "Expect: 100-continue" the client may or may not send the body: only closing is unambiguous.
+        close = close or self.close_after or not head.keep_alive or (head.expect_continue and head.has_body)
+        self._write(error_response(status, message, close=close))
+        if close:
+            self._shutdown()
+
+    def _fail(self, exc: HttpError) -> None:
+        """A request that cannot be read further (malformed head or chunked body): answer and close."""
+        ex = self.exchange
+        logger.debug("malformed request: %s", exc.message)
+        if ex is not None and ex.begun and not ex.response_done:
+            ex.response_done = True  # Triton got part of it: that connection goes (see _shutdown)
+            self.state.end(PROTOCOL, ex.route, str(exc.status), ex.started)
+            if ex.response.head is not None:
+                self._shutdown()
+                return
+        else:
+            self.state.refuse(PROTOCOL, ex.route if ex is not None else "malformed", str(exc.status), exc.reason)
+        self._write(error_response(exc.status, exc.message, close=True))
+        self._shutdown()
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def _shutdown(self) -> None:
+        """Close from the proxy's side: flush, send FIN, keep reading (and dropping) for a moment so the
+        client sees the answer rather than a reset, then close."""
+        if self.closing or self.transport is None:
+            return
+        self.closing = True
+        self.buf = b""
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        if self.paused:
+            self.paused = 0
+            self.transport.resume_reading()
+        self.linger = asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+        ex = self.exchange
+        if ex is not None and ex.begun and not ex.request_done:
+            self._drop_upstream()  # Triton holds part of a request that will never end
+
+    def _pause(self, reason: int) -> None:
+        if not self.paused and self.transport is not None and not self.closing:
+            self.transport.pause_reading()
+        self.paused |= reason
+
+    def _unpause(self, reason: int) -> None:
+        if not self.paused & reason:
+            return
+        self.paused &= ~reason
+        if self.paused or self.transport is None or self.closing:
+            return
+        self.transport.resume_reading()
+        if self.buf and self.exchange is None:
+            data, self.buf = self.buf, b""
+            self._consume(data)
+
+    # ------------------------------------------------------------------------------------ Triton side
+
+    def _ensure_upstream(self) -> None:
+        if self.upstream is not None or self.connecting is not None:
+            return
+        upstream = self.fe.pool.take()
+        if upstream is not None:
+            upstream.attach(self)
+            self.upstream = upstream
+            return
+        self._pause(_CONNECTING)
+        self.connecting = asyncio.get_running_loop().create_task(self._connect())
+
+    async def _connect(self) -> None:
+        try:
+            upstream = await self.fe.pool.connect()
+        except (OSError, asyncio.TimeoutError) as exc:
+            self.connecting = None
+            self._unavailable(exc)
+            return
+        self.connecting = None
+        if self.closing:
+            self.fe.pool.give(upstream)
+            return
+        upstream.attach(self)
+        self.upstream = upstream
+        queued, self.queued = self.queued, []
+        for data in queued:
+            upstream.write(data)
+        self._unpause(_CONNECTING)
+
+    def _unavailable(self, exc: BaseException) -> None:
+        """Triton cannot be reached: 503 for the request waiting on it."""
+        self.queued = []
+        ex = self.exchange
+        if ex is None or ex.response_done or self.closing:
+            self._unpause(_CONNECTING)  # nothing waits on Triton now
+            return
+        message = "the inference server is unavailable; retry later"
+        if ex.begun:
+            self.state.end(PROTOCOL, ex.route, "503", ex.started)
+        else:
+            self.state.refuse(PROTOCOL, ex.route, "503", "upstream")
+        ex.response_done = True
+        self._write(error_response(503, message, close=True))
+        self._shutdown()
+
+    def _begin(self, ex: Exchange, data: bytes = b"") -> None:
+        """Forward: the request is in flight from here on."""
+        ex.begun = True
+        ex.response.close = self.close_after
+        ex.started = self.state.begin(PROTOCOL)
+        self._send(data or ex.judged.upstream)
+
+    def _send(self, data: bytes | memoryview) -> None:
+        if self.upstream is None:
+            self._ensure_upstream()  # the connection went idle-closed since the head was judged
+        if self.upstream is not None:
+            self.upstream.write(data)
+        else:
+            self.queued.append(data)
+
+    def upstream_data(self, upstream: Upstream, data: bytes) -> None:
+        ex = self.exchange
+        if ex is None or not ex.begun or ex.response_done:
+            upstream.close()  # Triton spoke out of turn: this connection cannot be trusted any more
+            return
+        ex.response.close = self.close_after
+        try:
+            out = ex.response.feed(data)
+        except HttpError as exc:
+            self._upstream_failed(ex, exc.message)
+            return
+        if out:
+            self._write(out)
+        if ex.response.done:
+            self._response_done(ex)
+
+    def _response_done(self, ex: Exchange) -> None:
+        response = ex.response
+        ex.response_done = True
+        assert response.head is not None
+        self.state.end(PROTOCOL, ex.route, str(response.head.status), ex.started)
+        if response.head.close or response.extra or not ex.request_done:
+            self._drop_upstream()
+        if not ex.request_done:  # Triton answered before the body ended: the rest cannot follow
+            self._shutdown()
+            return
+        self._finish(ex)
+
+    def upstream_lost(self, upstream: Upstream, exc: Exception | None) -> None:
+        if upstream is not self.upstream:
+            return
+        self.upstream = None
+        ex = self.exchange
+        if ex is None or not ex.begun or ex.response_done:
+            return  # an idle connection: the next request opens a new one
+        if ex.response.eof():
+            self._response_done(ex)  # a response delimited by the close
+            return
+        self._upstream_failed(ex, f"connection to Triton lost: {exc or 'closed'}")
+
+    def _upstream_failed(self, ex: Exchange, message: str) -> None:
+        self.fe.pool.failed(message)
+        ex.response_done = True
+        self.state.end(PROTOCOL, ex.route, "502", ex.started)
+        self._drop_upstream()
+        if ex.response.head is None:
+            self._write(error_response(502, "the inference server closed the connection; retry", close=True))
+        self._shutdown()
+
+    def _drop_upstream(self) -> None:
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            upstream.close()
+
+    def upstream_pause(self) -> None:
+        self._pause(_UPSTREAM_FULL)
+
+    def upstream_resume(self) -> None:
+        self._unpause(_UPSTREAM_FULL)
+
+
+class Upstream(asyncio.Protocol):
+    """One connection to Triton's HTTP port, owned by one client connection at a time (or idle in the pool)."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+        self.owner: ClientConnection | None = None
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.reading_paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+
+    def data_received(self, data: bytes) -> None:
+        if self.owner is None:
+            self.close()  # idle connections get no bytes
+            return
+        self.owner.upstream_data(self, data)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        if self.owner is not None:
+            self.owner.upstream_lost(self, exc)
+
+    def pause_writing(self) -> None:
+        if self.owner is not None:
+            self.owner.upstream_pause()
+
+    def resume_writing(self) -> None:
+        if self.owner is not None:
+            self.owner.upstream_resume()
+
+    def attach(self, owner: ClientConnection) -> None:
+        self.owner = owner
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.closed and not self.reading_paused:
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.closed and self.reading_paused:
+            self.reading_paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        self.owner = None
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+            self.pool.forget(self)
+
+
+class UpstreamPool:
+    """Opens connections to Triton and keeps a few idle ones for the next client connection."""
+
+    def __init__(self, host: str, port: int, timeout_s: float, state: ProxyState) -> None:
+        self.host = host
+        self.port = port
+        self.timeout_s = timeout_s
+        self.state = state
+        self.idle: list[Upstream] = []
+        self.down = False  # last attempt failed (logged once per outage)
+
+    async def connect(self) -> Upstream:
+        loop = asyncio.get_running_loop()
+        try:
+            _, upstream = await asyncio.wait_for(
+                loop.create_connection(lambda: Upstream(self), self.host, self.port), self.timeout_s
+            )
+        except (OSError, asyncio.TimeoutError) as exc:
+            self.failed(f"cannot connect to Triton at {self.host}:{self.port}: {exc or 'timed out'}")
+            raise
+        if self.down:
+            self.down = False
+            logger.info("Triton at %s:%d is reachable again", self.host, self.port)
+        return upstream
+
+    def failed(self, message: str) -> None:
+        self.state.metrics.upstream_error(PROTOCOL)
+        if not self.down:
+            self.down = True
+            logger.warning("%s; answering 503 until it is back", message)
+
+    def take(self) -> Upstream | None:
+        while self.idle:
+            upstream = self.idle.pop()
+            if not upstream.closed:
+                return upstream
+        return None
+
+    def give(self, upstream: Upstream) -> None:
+        upstream.owner = None
+        if upstream.closed:
+            return
+        if len(self.idle) >= IDLE_UPSTREAMS:
+            upstream.close()
+            return
+        upstream.resume_reading()
+        self.idle.append(upstream)
+
+    def forget(self, upstream: Upstream) -> None:
+        if upstream in self.idle:
+            self.idle.remove(upstream)
+
+    def close(self) -> None:
+        for upstream in list(self.idle):
+            upstream.close()
+        self.idle.clear()
