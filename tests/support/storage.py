@@ -332,7 +332,7 @@ class HttpFileServer:
 
     def stop(self) -> None:
         assert self._loop is not None and self._thread is not None
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         self._loop.close()
@@ -345,6 +345,13 @@ class HttpFileServer:
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def _shutdown(self) -> None:
+        await self._runner.cleanup()
+        stalled = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in stalled:
+            task.cancel()
+        await asyncio.gather(*stalled, return_exceptions=True)
 
     def _fault_for(self, path: str) -> Fault | None:
         for prefix, fault in self.faults.items():
@@ -360,6 +367,8 @@ class HttpFileServer:
         fault = self._fault_for(request.path)
         if fault is not None and fault.status is not None:
             return web.Response(status=fault.status, text=f"injected HTTP {fault.status} for {request.path}")
+        if fault is not None and fault.stall_after_bytes == 0:
+            await asyncio.sleep(3600)  # not even headers
         file = (self.root / request.match_info["path"]).resolve()
         if not file.is_relative_to(self.root.resolve()) or not file.is_file():
             return web.Response(status=404, text=f"{request.path} not found")
@@ -368,8 +377,6 @@ class HttpFileServer:
         data = file.read_bytes()
         response = web.StreamResponse(headers=self._headers(file, data))
         response.content_length = len(data)
-        if fault is not None and fault.stall_after_bytes == 0:
-            await asyncio.sleep(3600)
         await response.prepare(request)
         if request.method == "GET":
             await self._send_body(response, data, fault)
