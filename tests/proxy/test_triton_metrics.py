@@ -1,0 +1,245 @@
+"""The proxy's re-export of Triton's metrics: the own model's series from a REAL Triton serving two models
+with real traffic, and none of the other tenant's; plus the text handling on pages Triton could serve."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import py_compile
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.install import wait_model_ready
+from tests.support.models import write_model
+from tests.support.ports import free_port
+from tests.support.triton import TritonServer
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.unload import UnloadSettings, unload_model
+from tritonshare.proxy.triton_metrics import TritonModelMetrics, own_model_series
+
+pytestmark = pytest.mark.triton
+
+
+@dataclass(frozen=True)
+class Tenants:
+    own: str
+    other: str
+
+
+def install_compiled(layout: NodeLayout, triton: TritonServer, name: str) -> None:
+    """Install an identity model with its bytecode already compiled. The Python backend's stub embeds an
+    isolated interpreter that ignores PYTHONDONTWRITEBYTECODE, so it writes ``__pycache__`` into the model
+    folder, and POLL then reloads the model once — which would reset the counters this module counts."""
+    staged = layout.staging / f"{name}.test"
+    write_model(staged)
+    source = str(staged / "1" / "model.py")
+    py_compile.compile(source, cfile=importlib.util.cache_from_source(source), doraise=True)
+    os.rename(staged, layout.model_dir(name))
+    wait_model_ready(triton, name)
+
+
+@pytest.fixture(scope="module")
+def tenants(triton: TritonServer, layout: NodeLayout) -> Iterator[Tenants]:
+    """Two fresh identity models, so their request counts are this module's alone."""
+    tag = uuid.uuid4().hex[:8]
+    models = Tenants(own=f"metrics-own-{tag}", other=f"metrics-other-{tag}")
+    install_compiled(layout, triton, models.own)
+    install_compiled(layout, triton, models.other)
+    yield models
+    for name in (models.own, models.other):
+        unload_model(UnloadSettings(name=name, layout=layout, triton_url=triton.url, timeout_s=30))
+
+
+def infer_http(triton: TritonServer, model: str, times: int) -> None:
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{triton.http_port}")
+    try:
+        for _ in range(times):
+            data = np.arange(4, dtype=np.float32)
+            inp = httpclient.InferInput("INPUT0", [4], "FP32")
+            inp.set_data_from_numpy(data)
+            assert np.array_equal(client.infer(model, [inp]).as_numpy("OUTPUT0"), data)
+    finally:
+        client.close()
+
+
+def infer_grpc(triton: TritonServer, model: str, times: int) -> None:
+    client = grpcclient.InferenceServerClient(triton.grpc_url)
+    try:
+        for _ in range(times):
+            inp = grpcclient.InferInput("INPUT0", [2], "FP32")
+            inp.set_data_from_numpy(np.ones(2, dtype=np.float32))
+            client.infer(model, [inp])
+    finally:
+        client.close()
+
+
+def metrics_url(triton: TritonServer) -> str:
+    return f"http://127.0.0.1:{triton.metrics_port}/metrics"
+
+
+def families(page: bytes) -> dict[str, tuple[str, list[tuple[str, dict[str, str], float]]]]:
+    """name -> (type, [(sample name, labels, value)]), parsed the way Prometheus would read the page."""
+    return {
+        f.name: (f.type, [(s.name, s.labels, s.value) for s in f.samples])
+        for f in text_string_to_metric_families(page.decode())
+    }
+
+
+def value(page: bytes, sample: str, model: str) -> float:
+    for fam in text_string_to_metric_families(page.decode()):
+        for s in fam.samples:
+            if s.name == sample and s.labels.get("model") == model:
+                return float(s.value)
+    raise AssertionError(f"no {sample}{{model={model!r}}} in:\n{page.decode()}")
+
+
+def test_own_model_series_with_real_counts_and_nothing_of_the_other_tenant(
+    triton: TritonServer, tenants: Tenants
+) -> None:
+    infer_http(triton, tenants.own, 3)
+    infer_grpc(triton, tenants.own, 2)
+    infer_http(triton, tenants.other, 7)
+
+    page = TritonModelMetrics(metrics_url(triton), tenants.own, ttl_s=0).exposition()
+
+    assert value(page, "nv_inference_request_success_total", tenants.own) == 5
+    assert value(page, "nv_inference_count_total", tenants.own) == 5
+    assert value(page, "nv_inference_request_failure_total", tenants.own) == 0
+    assert value(page, "nv_inference_queue_duration_us_total", tenants.own) > 0
+    assert tenants.other not in page.decode()
+    everything = families(page)
+    for name, (_kind, samples) in everything.items():
+        if name != "tritonshare_proxy_triton_metrics_up":
+            assert all(labels.get("model") == tenants.own for _n, labels, _v in samples), name
+    assert everything["tritonshare_proxy_triton_metrics_up"][1][0][2] == 1.0
+
+
+def test_series_keep_triton_s_names_and_types(triton: TritonServer, tenants: Tenants) -> None:
+    infer_http(triton, tenants.own, 1)
+    direct = urlopen_text(metrics_url(triton))
+
+    page = TritonModelMetrics(metrics_url(triton), tenants.own, ttl_s=0).exposition().decode()
+
+    # Triton writes counters without the _total suffix; so does the re-export (dashboards rely on the names).
+    assert "# TYPE nv_inference_request_success counter" in direct
+    assert "# TYPE nv_inference_request_success counter" in page
+    assert "# TYPE nv_inference_queue_duration_us counter" in page
+
+    def own_series(text: str) -> list[str]:
+        return sorted(line.split(" ")[0] for line in text.splitlines() if line.startswith("nv_") and own in line)
+
+    own = f'model="{tenants.own}"'
+    assert own_series(page) == own_series(direct)
+
+
+def test_server_wide_series_are_dropped(triton: TritonServer, tenants: Tenants) -> None:
+    direct = urlopen_text(metrics_url(triton))
+    server_wide = {
+        line.split("{")[0].split(" ")[0]
+        for line in direct.splitlines()
+        if line and not line.startswith("#") and 'model="' not in line
+    }
+    assert server_wide, "Triton always has series without a model label (e.g. pinned memory pool)"
+
+    page = TritonModelMetrics(metrics_url(triton), tenants.own, ttl_s=0).exposition().decode()
+
+    assert not any(line.startswith(name) for name in server_wide for line in page.splitlines())
+
+
+def test_cache_answers_scrapes_within_ttl_then_reads_again(triton: TritonServer, tenants: Tenants) -> None:
+    now = [100.0]
+    metrics = TritonModelMetrics(metrics_url(triton), tenants.own, ttl_s=5.0, clock=lambda: now[0])
+    before = value(metrics.exposition(), "nv_inference_request_success_total", tenants.own)
+
+    infer_http(triton, tenants.own, 2)
+    now[0] += 4.9
+    assert value(metrics.exposition(), "nv_inference_request_success_total", tenants.own) == before
+    now[0] += 0.2
+    assert value(metrics.exposition(), "nv_inference_request_success_total", tenants.own) == before + 2
+
+
+def test_unreachable_triton_gives_up_zero_and_no_series(caplog: pytest.LogCaptureFixture) -> None:
+    metrics = TritonModelMetrics(f"http://127.0.0.1:{free_port()}/metrics", "m", ttl_s=0, timeout_s=0.5)
+
+    page = metrics.exposition().decode()
+    page_again = metrics.exposition().decode()
+
+    assert page == page_again
+    assert page.splitlines()[-1] == 'tritonshare_proxy_triton_metrics_up{model="m"} 0.0'
+    assert "nv_" not in page
+    warnings = [r for r in caplog.records if "check --triton-metrics-url" in r.getMessage()]
+    assert len(warnings) == 1  # said once, not at every scrape
+
+
+def test_not_a_metrics_page_counts_as_down(triton: TritonServer, tenants: Tenants) -> None:
+    # Triton's HTTP port answers /metrics with 400/404: a misconfigured URL must not raise from a scrape.
+    page = TritonModelMetrics(f"{triton.url}/metrics", tenants.own, ttl_s=0).exposition().decode()
+
+    assert 'tritonshare_proxy_triton_metrics_up{model="' + tenants.own + '"} 0.0' in page
+
+
+PAGE = """\
+# HELP nv_inference_request_success Number of successful inference requests, all batch sizes
+# TYPE nv_inference_request_success counter
+nv_inference_request_success{model="a",version="1"} 3
+nv_inference_request_success{model="ab",version="1"} 4
+nv_inference_request_success{model="b",version="1"} 5
+# HELP nv_gpu_memory_used_bytes GPU used memory, in bytes
+# TYPE nv_gpu_memory_used_bytes gauge
+nv_gpu_memory_used_bytes{gpu_uuid="GPU-0"} 1.2e+09
+# HELP requests_total A counter declared with its suffix \\\\ and a backslash
+# TYPE requests_total counter
+requests_total{model="a",note="say \\"hi\\"\\nbye"} 1
+# HELP nv_inference_first_response_histogram_ms Duration from request to first response
+# TYPE nv_inference_first_response_histogram_ms histogram
+nv_inference_first_response_histogram_ms_bucket{model="a",version="1",le="10"} 2
+nv_inference_first_response_histogram_ms_bucket{model="a",version="1",le="+Inf"} 3
+nv_inference_first_response_histogram_ms_sum{model="a",version="1"} 42
+nv_inference_first_response_histogram_ms_count{model="a",version="1"} 3
+nv_inference_first_response_histogram_ms_bucket{model="b",version="1",le="+Inf"} 9
+# TYPE misc untyped
+misc{model="a"} 7
+misc{model="a",k="inf"} +Inf
+misc{model="a",k="nan"} NaN
+misc{model="a",k="big"} 1.5e+16
+"""
+
+
+def test_page_is_filtered_by_exact_model_label_and_rendered_faithfully() -> None:
+    text = own_model_series(PAGE, "a")
+
+    assert text == (
+        "# HELP nv_inference_request_success Number of successful inference requests, all batch sizes\n"
+        "# TYPE nv_inference_request_success counter\n"
+        'nv_inference_request_success{model="a",version="1"} 3.0\n'
+        "# HELP requests_total A counter declared with its suffix \\\\ and a backslash\n"
+        "# TYPE requests_total counter\n"
+        'requests_total{model="a",note="say \\"hi\\"\\nbye"} 1.0\n'
+        "# HELP nv_inference_first_response_histogram_ms Duration from request to first response\n"
+        "# TYPE nv_inference_first_response_histogram_ms histogram\n"
+        'nv_inference_first_response_histogram_ms_bucket{model="a",version="1",le="10"} 2.0\n'
+        'nv_inference_first_response_histogram_ms_bucket{model="a",version="1",le="+Inf"} 3.0\n'
+        'nv_inference_first_response_histogram_ms_sum{model="a",version="1"} 42.0\n'
+        'nv_inference_first_response_histogram_ms_count{model="a",version="1"} 3.0\n'
+        "# HELP misc \n"
+        "# TYPE misc untyped\n"
+        'misc{model="a"} 7.0\n'
+        'misc{model="a",k="inf"} +Inf\n'
+        'misc{model="a",k="nan"} NaN\n'
+        'misc{model="a",k="big"} 1.5e+16\n'
+    )
+    reparsed = {f.name: f for f in text_string_to_metric_families(text)}
+    assert reparsed["requests"].samples[0].labels["note"] == 'say "hi"\nbye'
+
+
+def urlopen_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        return str(reply.read().decode())
