@@ -1,0 +1,226 @@
+"""Reading model names and shared-memory parameters from gRPC request messages as they stream past.
+
+Messages are built with tritonclient's own protobuf classes (what Triton parses), then cut into DATA
+chunks at every possible place: the verdict must not depend on where frames split a message.
+"""
+
+from __future__ import annotations
+
+import gzip
+import struct
+import zlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tritonclient.grpc import service_pb2 as pb
+
+from tritonshare.proxy.policy import (
+    GRPC_INVALID_ARGUMENT,
+    GRPC_NOT_FOUND,
+    GRPC_PERMISSION_DENIED,
+    GRPC_RESOURCE_EXHAUSTED,
+    GRPC_RULES,
+    GRPC_SERVICE,
+    GRPC_UNIMPLEMENTED,
+    GrpcRule,
+)
+from tritonshare.proxy.protobuf import MessageInspector, Refusal
+
+OWN = b"own"
+INFER = GRPC_RULES[f"/{GRPC_SERVICE}/ModelInfer"]
+STREAM = GRPC_RULES[f"/{GRPC_SERVICE}/ModelStreamInfer"]
+STATS = GRPC_RULES[f"/{GRPC_SERVICE}/ModelStatistics"]
+
+
+def framed(message: bytes, *, compressed: bool = False) -> bytes:
+    return bytes([int(compressed)]) + struct.pack(">L", len(message)) + message
+
+
+def infer(model: str = "own", **kwargs: object) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model, id="req-1", **kwargs)  # type: ignore[arg-type]
+    tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=[4])
+    tensor.parameters["binary_data_size"].int64_param = 16
+    request.outputs.add(name="OUTPUT0")
+    request.raw_input_contents.append(bytes(range(16)))
+    return request
+
+
+def inspect(
+    data: bytes, *cuts: int, rule: GrpcRule = INFER, encoding: bytes | None = None, limit: int = 1 << 20
+) -> Refusal | None:
+    """Feed ``data`` to a fresh inspector in pieces split at ``cuts``; the first refusal, if any."""
+    inspector = MessageInspector(rule, OWN, encoding=encoding, limit=limit)
+    bounds = [0, *sorted(cuts), len(data)]
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        refusal = inspector.feed(data, start, end)
+        if refusal is not None:
+            return refusal
+    return None
+
+
+def every_cut(data: bytes, **kwargs: object) -> set[Refusal | None]:
+    return {inspect(data, cut, **kwargs) for cut in range(len(data) + 1)}  # type: ignore[arg-type]
+
+
+def test_own_model_passes_wherever_the_frames_split_it() -> None:
+    assert every_cut(framed(infer().SerializeToString())) == {None}
+
+
+def test_other_model_is_not_found_wherever_the_frames_split_it() -> None:
+    verdicts = every_cut(framed(infer("other").SerializeToString()))
+    assert verdicts == {Refusal(GRPC_NOT_FOUND, "Request for unknown model: 'other' is not found", "other_model")}
+
+
+def test_the_last_model_name_wins_as_in_protobuf() -> None:
+    own_then_other = infer().SerializeToString() + b"\x0a\x05other"
+    parsed = pb.ModelInferRequest.FromString(own_then_other)
+    assert parsed.model_name == "other"  # what Triton would read
+    assert {r.status for r in every_cut(framed(own_then_other)) if r} == {GRPC_NOT_FOUND}
+    assert None not in every_cut(framed(own_then_other))
+    other_then_own = infer("other").SerializeToString() + b"\x0a\x03own"
+    assert every_cut(framed(other_then_own)) == {None}
+
+
+def test_model_name_after_the_raw_contents_is_read() -> None:
+    request = infer()
+    request.ClearField("model_name")
+    late = request.SerializeToString() + b"\x0a\x03own"
+    assert every_cut(framed(late)) == {None}
+    late_other = request.SerializeToString() + b"\x0a\x05other"
+    assert inspect(framed(late_other), 9) is not None
+
+
+def test_missing_or_empty_model_name_is_refused() -> None:
+    assert inspect(framed(b""), rule=STATS) == Refusal(
+        GRPC_NOT_FOUND, "Request for unknown model: '' is not found", "other_model"
+    )
+    assert inspect(framed(b"\x0a\x00"), rule=STATS) is not None
+
+
+def test_field_one_with_another_wire_type_is_not_a_name() -> None:
+    # protobuf treats field 1 as a varint here as an unknown field: the name stays "own"
+    message = b"\x0a\x03own" + b"\x08\x05"
+    assert pb.ModelInferRequest.FromString(message).model_name == "own"
+    assert inspect(framed(message)) is None
+
+
+def test_every_message_of_a_stream_is_judged() -> None:
+    stream = framed(infer().SerializeToString()) * 2 + framed(infer("other").SerializeToString())
+    inspector = MessageInspector(STREAM, OWN, encoding=None, limit=1 << 20)
+    first_two = 2 * len(framed(infer().SerializeToString()))
+    assert inspector.feed(stream, 0, first_two) is None
+    refusal = inspector.feed(stream, first_two, len(stream))
+    assert refusal is not None and refusal.status == GRPC_NOT_FOUND
+
+
+@pytest.mark.parametrize("where", ["request", "input", "output"])
+@pytest.mark.parametrize("key", ["shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"])
+def test_shared_memory_parameters_are_refused_wherever_they_are(where: str, key: str) -> None:
+    request = infer()
+    target = {
+        "request": request.parameters,
+        "input": request.inputs[0].parameters,
+        "output": request.outputs[0].parameters,
+    }[where]
+    target[key].string_param = "region"
+    verdicts = every_cut(framed(request.SerializeToString()))
+    assert verdicts == {
+        Refusal(GRPC_PERMISSION_DENIED, "shared-memory parameters are not available to tenants", "shared_memory")
+    }
+
+
+def test_marker_in_a_value_or_in_raw_contents_is_not_a_parameter() -> None:
+    request = infer()
+    request.parameters["note"].string_param = "shared_memory_region"  # a value, not a key
+    request.raw_input_contents.append(b"shared_memory_region")  # tensor bytes are never parameters
+    assert every_cut(framed(request.SerializeToString())) == {None}
+
+
+def test_other_rpcs_do_not_inspect_parameters() -> None:
+    request = infer()
+    request.parameters["shared_memory_region"].string_param = "r"
+    assert inspect(framed(request.SerializeToString()), rule=STATS) is None  # name only for non-infer RPCs
+
+
+def test_oversized_parameters_with_the_marker_are_refused() -> None:
+    request = infer()
+    request.parameters["note"].string_param = "shared_memory_" + "x" * 2000
+    data = framed(request.SerializeToString())
+    assert inspect(data, limit=100) == Refusal(
+        GRPC_RESOURCE_EXHAUSTED,
+        "request parameters mention shared memory and are larger than the 100 bytes the proxy checks",
+        "too_large",
+    )
+    assert inspect(data, 40, 700, limit=100) is not None
+    assert inspect(data, limit=1 << 20) is None
+
+
+@pytest.mark.parametrize("encoding", [b"gzip", b"deflate"])
+def test_compressed_messages_are_inspected(encoding: bytes) -> None:
+    def compress(data: bytes) -> bytes:
+        return gzip.compress(data) if encoding == b"gzip" else zlib.compress(data)
+
+    good = framed(compress(infer().SerializeToString()), compressed=True)
+    bad = framed(compress(infer("other").SerializeToString()), compressed=True)
+    assert every_cut(good, encoding=encoding) == {None}
+    assert {r.status for r in every_cut(bad, encoding=encoding) if r} == {GRPC_NOT_FOUND}
+
+
+def test_compression_the_proxy_cannot_read_is_unimplemented() -> None:
+    refusal = inspect(framed(b"\x00\x01", compressed=True), encoding=b"snappy")
+    assert refusal is not None and refusal.status == GRPC_UNIMPLEMENTED and "snappy" in refusal.message
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        b"\x0a\x09own",  # field runs past the message
+        b"\x0b\x00",  # group start (wire type 3)
+        b"\x0e\x00",  # wire type 6
+        b"\x02\x00",  # field number 0
+        b"\x0a\x03own\x28",  # ends inside a varint field
+    ],
+)
+def test_malformed_messages_are_refused(message: bytes) -> None:
+    verdicts = every_cut(framed(message))
+    assert {r.status for r in verdicts if r} == {GRPC_INVALID_ARGUMENT}
+    assert None not in verdicts
+
+
+def test_truncated_compressed_stream_is_refused() -> None:
+    partial = gzip.compress(infer().SerializeToString())[:-6]
+    refusal = inspect(framed(partial, compressed=True), encoding=b"gzip")
+    assert refusal is not None and refusal.status == GRPC_INVALID_ARGUMENT
+
+
+def test_large_raw_contents_are_skipped_not_buffered() -> None:
+    request = infer()
+    request.raw_input_contents[0] = b"\x01" * (8 << 20)
+    data = framed(request.SerializeToString())
+    assert inspect(data, *range(1, len(data), 16_384), limit=1024) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    names=st.lists(st.sampled_from(["own", "other", "", "ow", "own2"]), min_size=1, max_size=3),
+    raw=st.binary(max_size=300),
+    cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=6),
+)
+def test_verdict_matches_protobuf_for_any_field_order_and_split(names: list[str], raw: bytes, cuts: list[int]) -> None:
+    # Fields in any order, the name possibly repeated: allowed exactly when protobuf reads "own".
+    pieces = [b"\x0a" + bytes([len(n)]) + n.encode() for n in names]
+    body = infer().SerializeToString().split(b"\x0a\x03own", 1)[1]  # the request without its name field
+    message = pieces[0] + body + b"".join(pieces[1:]) + b"\x3a" + _varint(len(raw)) + raw
+    data = framed(message)
+    expected = pb.ModelInferRequest.FromString(message).model_name == "own"
+    assert (inspect(data, *[c % (len(data) + 1) for c in cuts]) is None) == expected
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
