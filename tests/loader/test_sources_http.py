@@ -1,0 +1,169 @@
+"""http(s):// against a real HTTP server that can fail, stall and corrupt on purpose."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from email.message import Message
+from pathlib import Path
+
+import pytest
+
+from tests.support.ports import free_port
+from tests.support.storage import Fault, HttpFileServer, make_tar
+from tritonshare.common.errors import SourceAccessDenied, SourceNotFound, TransientSourceError
+from tritonshare.loader.download import DownloadOptions, download_all, list_objects
+from tritonshare.loader.sources import open_source
+from tritonshare.loader.sources.http import HttpSource, checksum_from
+
+pytestmark = pytest.mark.storage
+FAST = DownloadOptions(concurrency=2, retries=2, backoff_base_s=0.01, stall_timeout_s=0.5)
+
+
+@pytest.fixture
+def archive(tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text('backend: "python"\n')
+    (folder / "1" / "weights.bin").write_bytes(os.urandom(2_500_000))
+    return make_tar(folder, tmp_path / "model.tar.gz", arcname="model")
+
+
+def download(uri: str, dest: Path, options: DownloadOptions = FAST) -> None:
+    source = open_source(uri)
+    download_all(source, list_objects(source, options), dest, options)
+
+
+def test_a_url_is_one_file_with_size_version_and_the_servers_checksum(
+    http_server: HttpFileServer, archive: Path
+) -> None:
+    url = http_server.serve(archive)
+    (obj,) = open_source(url + "?X-Amz-Signature=abc").list()
+    data = archive.read_bytes()
+    assert (obj.relpath, obj.size, obj.version) == ("model.tar.gz", len(data), f'"{hashlib.md5(data).hexdigest()}"')
+    assert obj.checksum is not None and obj.checksum.value == hashlib.sha256(data).hexdigest()
+
+
+def test_an_archive_downloads_byte_for_byte(http_server: HttpFileServer, archive: Path, tmp_path: Path) -> None:
+    (tmp_path / "dest").mkdir()
+    download(http_server.serve(archive), tmp_path / "dest")
+    assert (tmp_path / "dest" / "model.tar.gz").read_bytes() == archive.read_bytes()
+
+
+def test_a_missing_file_is_not_found(http_server: HttpFileServer) -> None:
+    with pytest.raises(SourceNotFound, match=r"/nope.tar.gz: not found \(HTTP 404 Not Found\) — check the URL"):
+        open_source(http_server.url("nope.tar.gz")).list()
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_refusal_is_access_denied(http_server: HttpFileServer, archive: Path, status: int) -> None:
+    url = http_server.serve(archive)
+    http_server.fail("/model.tar.gz", Fault(status=status))
+    with pytest.raises(SourceAccessDenied, match=rf"access denied \(HTTP {status} .*pre-signed URL"):
+        HttpSource(url).list()
+
+
+def test_a_server_refusing_head_is_asked_with_get(http_server: HttpFileServer, archive: Path) -> None:
+    url = http_server.serve(archive)
+    http_server.fail("/model.tar.gz", Fault(status=405, times=1))
+    (obj,) = HttpSource(url).list()
+    assert obj.size == archive.stat().st_size
+    assert [method for method, _ in http_server.requests] == ["HEAD", "GET"]
+
+
+def test_a_server_answering_500_is_retried_then_transient(http_server: HttpFileServer, archive: Path) -> None:
+    url = http_server.serve(archive)
+    http_server.fail("/model.tar.gz", Fault(status=500))
+    with pytest.raises(TransientSourceError, match=r"the server failed \(HTTP 500 .*gave up after 3 attempts"):
+        list_objects(HttpSource(url), FAST)
+    assert len(http_server.requests) == 3
+
+
+def test_a_failed_transfer_is_retried(http_server: HttpFileServer, archive: Path, tmp_path: Path) -> None:
+    url = http_server.serve(archive)
+    source = HttpSource(url)
+    objects = source.list()
+    http_server.fail("/model.tar.gz", Fault(status=503, times=1))
+    stats = download_all(source, objects, tmp_path, FAST)
+    assert (tmp_path / "model.tar.gz").read_bytes() == archive.read_bytes() and stats.retries == 1
+
+
+def test_a_stall_mid_body_times_out_and_the_retry_completes(
+    http_server: HttpFileServer, archive: Path, tmp_path: Path
+) -> None:
+    url = http_server.serve(archive)
+    source = HttpSource(url)
+    objects = source.list()
+    http_server.fail("/model.tar.gz", Fault(stall_after_bytes=100_000, times=1))
+    stats = download_all(source, objects, tmp_path, FAST)
+    assert (tmp_path / "model.tar.gz").read_bytes() == archive.read_bytes() and stats.retries == 1
+
+
+def test_a_server_that_keeps_stalling_fails_as_transient_in_bounded_time(
+    http_server: HttpFileServer, archive: Path, tmp_path: Path
+) -> None:
+    url = http_server.serve(archive)
+    source = HttpSource(url)
+    objects = source.list()
+    http_server.fail("/model.tar.gz", Fault(stall_after_bytes=0))
+    started = time.monotonic()
+    with pytest.raises(TransientSourceError, match=r"did not answer in time .*gave up after 3 attempts"):
+        download_all(source, objects, tmp_path, FAST)
+    assert time.monotonic() - started < 5  # 3 stalls of 0.5 s and two short backoffs
+
+
+def test_the_overall_deadline_stops_a_download_that_keeps_stalling(
+    http_server: HttpFileServer, archive: Path, tmp_path: Path
+) -> None:
+    url = http_server.serve(archive)
+    source = HttpSource(url)
+    objects = source.list()
+    http_server.fail("/model.tar.gz", Fault(stall_after_bytes=1000))
+    options = DownloadOptions(retries=100, backoff_base_s=0.01, stall_timeout_s=0.3, download_timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(TransientSourceError, match=r"download did not finish within 1 s"):
+        download_all(source, objects, tmp_path, options)
+    assert time.monotonic() - started < 2.5  # the deadline plus at most one stall timeout to join the worker
+
+
+def test_corrupted_bytes_are_caught_by_the_servers_checksum(
+    http_server: HttpFileServer, archive: Path, tmp_path: Path
+) -> None:
+    url = http_server.serve(archive)
+    http_server.fail("/model.tar.gz", Fault(corrupt=True))
+    with pytest.raises(
+        TransientSourceError, match=r"model.tar.gz: sha256 checksum mismatch .*gave up after 3 attempts"
+    ):
+        download(url, tmp_path)
+
+
+def test_nobody_listening_is_transient() -> None:
+    with pytest.raises(TransientSourceError, match=r"connection failed .*Connection refused"):
+        HttpSource(f"http://127.0.0.1:{free_port()}/m.tar.gz").list()
+
+
+def headers(**values: str) -> Message:
+    message = Message()
+    for name, value in values.items():
+        message[name.replace("_", "-")] = value
+    return message
+
+
+@pytest.mark.parametrize(
+    ("given", "algorithm", "value"),
+    [
+        ({"Digest": "MD5=ICy5YqxZB1uWSwcVLSNLcA==, SHA-256=X48E9qOokqqrvdts8nOJRJN3OWDUoyWxBf7kbu9DBPE="},
+         "sha256", "5f8f04f6a3a892aaabbddb6cf273894493773960d4a325b105fee46eef4304f1"),
+        ({"Content_MD5": "ICy5YqxZB1uWSwcVLSNLcA=="}, "md5", "202cb962ac59075b964b07152d234b70"),
+        ({"x_goog_hash": "crc32c=4waSgw==,md5=ICy5YqxZB1uWSwcVLSNLcA=="}, "md5", "202cb962ac59075b964b07152d234b70"),
+        ({"x_goog_hash": "crc32c=4waSgw=="}, "crc32c", "4waSgw=="),
+    ],
+)  # fmt: skip
+def test_checksum_headers_are_read_strongest_first(given: dict[str, str], algorithm: str, value: str) -> None:
+    checksum = checksum_from(headers(**given))
+    assert checksum is not None and (checksum.algorithm, checksum.value) == (algorithm, value)
+
+
+def test_a_malformed_checksum_header_states_nothing() -> None:
+    assert checksum_from(headers(Content_MD5="not base64!", Repr_Digest="sha-256=:c2hvcnQ=:")) is None
