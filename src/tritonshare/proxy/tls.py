@@ -1,0 +1,202 @@
+"""Optional TLS on the proxy's REST and gRPC ports (``--tls-cert``, ``--tls-key``; issue 9), for clusters
+without a service mesh. The certificate is reloaded when its files change, without a restart.
+
+How a rotation reaches new connections: each front end listens with a server context from
+:meth:`TlsCertificates.server_context`. Its SNI callback runs on every handshake (OpenSSL calls it after the
+ClientHello even when the client sends no server name; checked with asyncio and uvloop) and, at most once
+per ``check_interval_s``, stats the two files (``os.stat`` follows symlinks, so a Secret volume's ``..data``
+swap shows as a new inode). When they changed it builds fresh contexts from them and, from then on, switches
+each new connection to the fresh one (``SSLObject.context = …``, the documented use of the SNI callback).
+Connections already open keep the certificate they were made with.
+
+A pair that does not load (cert-manager writes ``tls.crt`` and ``tls.key`` as one atomic swap, but a
+hand-made rotation may show a new certificate with the old key for a moment) keeps the current certificate
+in service; the check is repeated at the next interval and the failure is logged once.
+
+ALPN per front end (:data:`ALPN`): gRPC requires ``h2``; REST speaks HTTP/1.1 only. TLS 1.2 at least, AEAD
+ciphers only (RFC 7540 §9.2.2 forbids the rest for HTTP/2), no renegotiation. No client certificates.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import ssl
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tritonshare.common.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+# The ALPN protocols each front end offers, by its Frontend.protocol name.
+ALPN: dict[str, tuple[str, ...]] = {"rest": ("http/1.1",), "grpc": ("h2",)}
+# TLS 1.2 suites (TLS 1.3 ones are separate and all AEAD): forward secret, AEAD (HTTP/2's rule for gRPC).
+CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
+
+_FileIdentity = tuple[int, int, int, int, int]
+
+
+class TlsCertificates:
+    """One certificate and key pair, watched for changes, serving every front end's context."""
+
+    def __init__(
+        self,
+        cert: Path,
+        key: Path,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        check_interval_s: float = 1.0,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.cert = cert
+        self.key = key
+        self._clock = clock
+        self._interval_s = check_interval_s
+        self._next_check = clock() + check_interval_s
+        self._trouble = ""
+        self.reloads = 0
+        self.reload_errors = 0
+        identity = self._identity_or_usage_error()
+        self._identity: tuple[_FileIdentity, _FileIdentity] = identity
+        self._current = self._build_or_usage_error()
+        self._listening: dict[str, ssl.SSLContext] = {}
+        if registry is not None:
+            registry.register(TlsCollector(self))
+
+    @classmethod
+    def from_options(
+        cls, cert: Path | None, key: Path | None, *, registry: CollectorRegistry | None = None
+    ) -> TlsCertificates | None:
+        """None when neither option is given (plain TCP); both or neither."""
+        if cert is None and key is None:
+            return None
+        if cert is None or key is None:
+            given, missing = ("--tls-cert", "--tls-key") if cert is not None else ("--tls-key", "--tls-cert")
+            raise UsageError(f"{given} needs {missing} too: give both (a PEM certificate chain and its key) or neither")
+        return cls(cert, key, registry=registry)
+
+    def server_context(self, protocol: str) -> ssl.SSLContext:
+        """The context to listen with for a front end ("rest" or "grpc"); the same object for the server's
+        whole life: rotations reach new connections through its SNI callback."""
+        if protocol not in ALPN:
+            raise ValueError(f"no TLS settings for protocol {protocol!r}; known: {', '.join(sorted(ALPN))}")
+        context = self._listening.get(protocol)
+        if context is None:
+            context = self._listening[protocol] = self._current[protocol]
+            context.sni_callback = functools.partial(self._handshake, protocol)
+        return context
+
+    # ------------------------------------------------------------------ per handshake
+
+    def _handshake(
+        self,
+        protocol: str,
+        connection: ssl.SSLObject | ssl.SSLSocket,
+        _server_name: str | None,
+        listening: ssl.SSLContext,
+    ) -> None:
+        """SNI callback: hand the connection the newest certificate. Never raises (that would fail the
+        handshake); a reload problem is logged and the current certificate stays."""
+        if self._clock() >= self._next_check:
+            try:
+                self._refresh()
+            except Exception:  # a bug here must not fail every handshake
+                logger.exception("TLS certificate check of %s failed; keeping the current one", self.cert)
+        current = self._current[protocol]
+        if current is not listening:
+            connection.context = current
+
+    def _refresh(self) -> None:
+        self._next_check = self._clock() + self._interval_s
+        try:
+            identity = (_identity(self.cert), _identity(self.key))
+            if identity == self._identity:
+                return
+            contexts = _contexts(self.cert, self.key)
+        except (OSError, ssl.SSLError) as exc:
+            self._report(_words(exc))
+            return
+        self._identity, self._current, self._trouble = identity, contexts, ""
+        self.reloads += 1
+        logger.info("TLS certificate reloaded from %s and %s; new connections use it", self.cert, self.key)
+
+    def _report(self, problem: str) -> None:
+        self.reload_errors += 1
+        if problem != self._trouble:
+            self._trouble = problem
+            logger.warning(
+                "TLS certificate %s / key %s changed but %s; still serving the previous certificate, "
+                "retrying every %gs",
+                self.cert,
+                self.key,
+                problem,
+                self._interval_s,
+            )
+
+    # ------------------------------------------------------------------ at start
+
+    def _identity_or_usage_error(self) -> tuple[_FileIdentity, _FileIdentity]:
+        try:
+            return _identity(self.cert), _identity(self.key)
+        except OSError as exc:
+            raise UsageError(f"--tls-cert {self.cert} / --tls-key {self.key}: {_words(exc)}") from exc
+
+    def _build_or_usage_error(self) -> dict[str, ssl.SSLContext]:
+        try:
+            return _contexts(self.cert, self.key)
+        except (OSError, ssl.SSLError) as exc:
+            raise UsageError(f"--tls-cert {self.cert} / --tls-key {self.key}: {_words(exc)}") from exc
+
+
+def _contexts(cert: Path, key: Path) -> dict[str, ssl.SSLContext]:
+    """One server context per front end, all from one reading of the pair."""
+    return {protocol: _context(cert, key, alpn) for protocol, alpn in ALPN.items()}
+
+
+def _context(cert: Path, key: Path, alpn: tuple[str, ...]) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.options |= ssl.OP_NO_RENEGOTIATION | ssl.OP_NO_COMPRESSION
+    context.set_ciphers(CIPHERS)
+    # password=b"": an encrypted key fails to load instead of OpenSSL prompting on the terminal.
+    context.load_cert_chain(cert, key, password=b"")
+    context.set_alpn_protocols(list(alpn))
+    return context
+
+
+def _identity(path: Path) -> _FileIdentity:
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+
+
+def _words(exc: OSError | ssl.SSLError) -> str:
+    if isinstance(exc, ssl.SSLError):
+        return (
+            f"cannot load the pair ({exc.reason or exc}) — both must be PEM, the key unencrypted and "
+            "belonging to the certificate"
+        )
+    return f"cannot read {exc.filename or 'a file'} ({exc.strerror or exc}) — mount the TLS Secret there"
+
+
+class TlsCollector(Collector):
+    """Reloads of the certificate and failed attempts, read at scrape time."""
+
+    def __init__(self, certificates: TlsCertificates) -> None:
+        self._certificates = certificates
+
+    def collect(self) -> Iterator[Metric]:
+        reloads = CounterMetricFamily("tritonshare_proxy_tls_reloads", "Certificate reloads after a file change.")
+        reloads.add_metric([], self._certificates.reloads)
+        yield reloads
+        errors = CounterMetricFamily(
+            "tritonshare_proxy_tls_reload_errors", "Changed certificate files that did not load (previous kept)."
+        )
+        errors.add_metric([], self._certificates.reload_errors)
+        yield errors

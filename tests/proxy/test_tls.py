@@ -1,0 +1,368 @@
+"""TLS for the proxy's ports: a real asyncio/uvloop server listening with the proxy's contexts, clients that
+verify it against a CA made here, ALPN per front end, and certificate rotation seen by new connections
+without a restart (plain file rewrite and a Kubernetes Secret ``..data`` symlink swap)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import ipaddress
+import logging
+import os
+import shutil
+import ssl
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from prometheus_client import CollectorRegistry
+
+from tritonshare.common.errors import UsageError
+from tritonshare.proxy.tls import TlsCertificates
+
+
+class CertificateAuthority:
+    """A throw-away certificate authority issuing server certificates for localhost and 127.0.0.1."""
+
+    def __init__(self, name: str = "tritonshare test CA") -> None:
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        self.cert = (
+            _builder(subject, subject, self.key.public_key(), serial=1)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self.key, hashes.SHA256())
+        )
+
+    def write_ca(self, path: Path) -> Path:
+        path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
+        return path
+
+    def issue(self, serial: int) -> tuple[bytes, bytes]:
+        """(certificate PEM, unencrypted key PEM) of a server certificate with this serial number."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        cert = (
+            _builder(
+                x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "proxy")]),
+                self.cert.subject,
+                key.public_key(),
+                serial,
+            )
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .sign(self.key, hashes.SHA256())
+        )
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def _builder(subject: x509.Name, issuer: x509.Name, public_key: Any, serial: int) -> x509.CertificateBuilder:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(serial)
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+    )
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.rename(tmp, path)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def ca() -> CertificateAuthority:
+    return CertificateAuthority()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def pair(tmp_path: Path, ca: CertificateAuthority) -> tuple[Path, Path]:
+    cert_pem, key_pem = ca.issue(serial=1001)
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_bytes(cert_pem)
+    key.write_bytes(key_pem)
+    return cert, key
+
+
+@pytest.fixture
+def ca_file(tmp_path: Path, ca: CertificateAuthority) -> Path:
+    return ca.write_ca(tmp_path / "ca.crt")
+
+
+@pytest.fixture
+def client(ca_file: Path) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=ca_file)
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    return context
+
+
+LoopFactory = Callable[[], asyncio.AbstractEventLoop]
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request: pytest.FixtureRequest) -> Iterator[Callable[[Coroutine[Any, Any, None]], None]]:
+    """Run a scenario on a fresh loop of either kind (the proxy runs on uvloop; tests on both)."""
+    factory: LoopFactory = asyncio.new_event_loop if request.param == "asyncio" else uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        yield runner.run
+
+
+@contextlib.asynccontextmanager
+async def echo_server(context: ssl.SSLContext) -> AsyncIterator[int]:
+    """A line-echo server over TLS with the given context; yields its port."""
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            while line := await reader.readline():
+                writer.write(line)
+                await writer.drain()
+        writer.close()
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            await writer.wait_closed()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0, ssl=context)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+class Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        tls = writer.get_extra_info("ssl_object")
+        self.serial = x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)).serial_number
+        self.alpn: str | None = tls.selected_alpn_protocol()
+
+    async def echo(self, text: bytes) -> bytes:
+        self.writer.write(text + b"\n")
+        return (await self.reader.readline()).rstrip(b"\n")
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            await self.writer.wait_closed()
+
+
+async def connect(port: int, client: ssl.SSLContext, host: str = "localhost") -> Connection:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client, server_hostname=host)
+    return Connection(reader, writer)
+
+
+def test_each_front_end_negotiates_its_alpn_and_clients_verify_the_server(
+    run: Callable[[Coroutine[Any, Any, None]], None], pair: tuple[Path, Path], client: ssl.SSLContext, clock: Clock
+) -> None:
+    certificates = TlsCertificates(*pair, clock=clock)
+
+    async def scenario() -> None:
+        for protocol, alpn in (("rest", "http/1.1"), ("grpc", "h2")):
+            async with echo_server(certificates.server_context(protocol)) as port:
+                for host in ("localhost", "127.0.0.1"):  # with and without SNI (none is sent for an IP)
+                    conn = await connect(port, client, host)
+                    assert (conn.serial, conn.alpn) == (1001, alpn)
+                    assert await conn.echo(b"ping") == b"ping"
+                    await conn.close()
+
+    run(scenario())
+
+
+def test_a_client_trusting_another_ca_refuses_the_server(
+    run: Callable[[Coroutine[Any, Any, None]], None], pair: tuple[Path, Path], clock: Clock, tmp_path: Path
+) -> None:
+    stranger = ssl.create_default_context(cafile=CertificateAuthority("another CA").write_ca(tmp_path / "other-ca.crt"))
+    certificates = TlsCertificates(*pair, clock=clock)
+
+    async def scenario() -> None:
+        async with echo_server(certificates.server_context("rest")) as port:
+            with pytest.raises(ssl.SSLCertVerificationError):
+                await connect(port, stranger)
+
+    run(scenario())
+
+
+def test_rotated_certificate_reaches_new_connections_while_open_ones_go_on(
+    run: Callable[[Coroutine[Any, Any, None]], None],
+    pair: tuple[Path, Path],
+    client: ssl.SSLContext,
+    clock: Clock,
+    ca: CertificateAuthority,
+) -> None:
+    cert, key = pair
+    registry = CollectorRegistry()
+    certificates = TlsCertificates(cert, key, clock=clock, registry=registry)
+
+    async def scenario() -> None:
+        async with echo_server(certificates.server_context("grpc")) as port:
+            before = await connect(port, client)
+            new_cert, new_key = ca.issue(serial=2002)
+            write_atomically(key, new_key)
+            write_atomically(cert, new_cert)
+            early = await connect(port, client)  # within the check interval: not looked at yet
+            clock.now += 1.01
+            after = await connect(port, client)
+            assert (before.serial, early.serial, after.serial) == (1001, 1001, 2002)
+            assert after.alpn == "h2"  # the fresh context offers the front end's ALPN too
+            assert await before.echo(b"still here") == b"still here"
+            for conn in (before, early, after):
+                await conn.close()
+
+    run(scenario())
+    assert registry.get_sample_value("tritonshare_proxy_tls_reloads_total") == 1
+
+
+def kubernetes_tls_secret(root: Path, version: str, cert_pem: bytes, key_pem: bytes) -> tuple[Path, Path]:
+    """A kubernetes.io/tls Secret volume: ``tls.crt -> ..data/tls.crt``, ``..data -> ..<version>``."""
+    folder = root / f"..{version}"
+    folder.mkdir(parents=True)
+    (folder / "tls.crt").write_bytes(cert_pem)
+    (folder / "tls.key").write_bytes(key_pem)
+    os.symlink(folder.name, root / "..data_tmp")
+    os.rename(root / "..data_tmp", root / "..data")  # one atomic swap, as the kubelet does
+    for name in ("tls.crt", "tls.key"):
+        if not (root / name).is_symlink():
+            os.symlink(f"..data/{name}", root / name)
+    return root / "tls.crt", root / "tls.key"
+
+
+def test_kubernetes_secret_swap_is_picked_up_without_restart(
+    run: Callable[[Coroutine[Any, Any, None]], None],
+    client: ssl.SSLContext,
+    clock: Clock,
+    ca: CertificateAuthority,
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "secret"
+    cert, key = kubernetes_tls_secret(root, "2024_01", *ca.issue(serial=3001))
+    certificates = TlsCertificates(cert, key, clock=clock)
+
+    async def scenario() -> None:
+        async with echo_server(certificates.server_context("rest")) as port:
+            first = await connect(port, client)
+            kubernetes_tls_secret(root, "2024_02", *ca.issue(serial=3002))
+            shutil.rmtree(root / "..2024_01")
+            clock.now += 1.01
+            second = await connect(port, client)
+            assert (first.serial, second.serial) == (3001, 3002)
+            await first.close()
+            await second.close()
+
+    run(scenario())
+
+
+def test_half_rotated_pair_keeps_the_old_certificate_until_the_key_arrives(
+    run: Callable[[Coroutine[Any, Any, None]], None],
+    pair: tuple[Path, Path],
+    client: ssl.SSLContext,
+    clock: Clock,
+    ca: CertificateAuthority,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cert, key = pair
+    registry = CollectorRegistry()
+    certificates = TlsCertificates(cert, key, clock=clock, registry=registry)
+    new_cert, new_key = ca.issue(serial=4004)
+
+    async def scenario() -> None:
+        async with echo_server(certificates.server_context("rest")) as port:
+            write_atomically(cert, new_cert)  # the new certificate, the old key: does not load
+            serials = []
+            for _ in range(3):
+                clock.now += 1.01
+                conn = await connect(port, client)
+                serials.append(conn.serial)
+                await conn.close()
+            write_atomically(key, new_key)
+            clock.now += 1.01
+            conn = await connect(port, client)
+            serials.append(conn.serial)
+            await conn.close()
+            assert serials == [1001, 1001, 1001, 4004]
+
+    with caplog.at_level(logging.WARNING, logger="tritonshare.proxy.tls"):
+        run(scenario())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "KEY_VALUES_MISMATCH" in warnings[0] and "still serving the previous" in warnings[0]
+    assert registry.get_sample_value("tritonshare_proxy_tls_reload_errors_total") == 3
+
+
+def test_bad_files_at_start_are_usage_errors(tmp_path: Path, ca: CertificateAuthority, pair: tuple[Path, Path]) -> None:
+    cert, key = pair
+    other_key = tmp_path / "other.key"
+    other_key.write_bytes(ca.issue(serial=5)[1])
+    encrypted = tmp_path / "encrypted.key"
+    private = serialization.load_pem_private_key(key.read_bytes(), None)
+    encrypted.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.BestAvailableEncryption(b"pw")
+        )
+    )
+    cases = [
+        (tmp_path / "missing.crt", key, "cannot read"),
+        (cert, other_key, "KEY_VALUES_MISMATCH"),
+        (cert, encrypted, "the key unencrypted"),  # refused, never an interactive password prompt
+        (key, key, "cannot load the pair"),
+    ]
+    for bad_cert, bad_key, words in cases:
+        with pytest.raises(UsageError) as err:
+            TlsCertificates(bad_cert, bad_key)
+        assert str(err.value).startswith(f"--tls-cert {bad_cert} / --tls-key {bad_key}: "), err.value
+        assert words in str(err.value)
+
+
+def test_options_are_both_or_neither(pair: tuple[Path, Path]) -> None:
+    cert, key = pair
+    assert TlsCertificates.from_options(None, None) is None
+    assert isinstance(TlsCertificates.from_options(cert, key), TlsCertificates)
+    with pytest.raises(UsageError, match="--tls-cert needs --tls-key too"):
+        TlsCertificates.from_options(cert, None)
+    with pytest.raises(UsageError, match="--tls-key needs --tls-cert too"):
+        TlsCertificates.from_options(None, key)
+
+
+def test_tls_1_2_clients_get_aead_ciphers_only(
+    run: Callable[[Coroutine[Any, Any, None]], None], pair: tuple[Path, Path], client: ssl.SSLContext, ca_file: Path
+) -> None:
+    """HTTP/2 (so gRPC) forbids TLS 1.2's CBC suites (RFC 7540 §9.2.2): a client offering only those fails."""
+    client.maximum_version = ssl.TLSVersion.TLSv1_2
+    cbc_only = ssl.create_default_context(cafile=ca_file)
+    cbc_only.maximum_version = ssl.TLSVersion.TLSv1_2
+    cbc_only.set_ciphers("ECDHE-ECDSA-AES128-SHA256")
+    certificates = TlsCertificates(*pair)
+
+    async def scenario() -> None:
+        async with echo_server(certificates.server_context("grpc")) as port:
+            conn = await connect(port, client)
+            tls = conn.writer.get_extra_info("ssl_object")
+            assert tls.version() == "TLSv1.2" and "GCM" in tls.cipher()[0]
+            await conn.close()
+            with pytest.raises((ssl.SSLError, ConnectionError)):
+                await connect(port, cbc_only)
+
+    run(scenario())
