@@ -270,6 +270,10 @@ class GcsEmulator:
             self.put(bucket, f"{prefix}/{rel}" if prefix else rel, path.read_bytes())
         return f"gs://{bucket}/{prefix}"
 
+    def tamper(self, bucket: str, key: str, data: bytes) -> None:
+        """Replace an object's bytes but keep its recorded size and crc32c: bit rot, as a client sees it."""
+        self._server._storage._store.write_bytes(f"{bucket}/{key}", data)
+
 
 # ------------------------------------------------------------------------------------------- HTTP
 
@@ -342,7 +346,7 @@ class HttpFileServer:
 
         app = web.Application()
         app.router.add_route("*", "/{path:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
 

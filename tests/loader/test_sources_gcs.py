@@ -1,0 +1,133 @@
+"""gs:// against the GCS emulator, and an HTTP server standing in for a refusing or failing GCS endpoint."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.storage import Fault, GcsEmulator, HttpFileServer, tree_bytes
+from tritonshare.common.errors import SourceAccessDenied, SourceNotFound, TransientSourceError
+from tritonshare.loader.download import DownloadOptions, download_all, file_digest, list_objects
+from tritonshare.loader.sources import open_source
+from tritonshare.loader.sources.base import RemoteObject
+from tritonshare.loader.sources.gcs import GcsSource
+
+pytestmark = pytest.mark.storage
+FAST = DownloadOptions(concurrency=4, retries=2, backoff_base_s=0.01, stall_timeout_s=0.5)
+
+
+def model_folder(root: Path, name: str = "model") -> Path:
+    folder = root / name
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text('backend: "python"\n')
+    (folder / "1" / "weights.bin").write_bytes(os.urandom(1_500_000))
+    return folder
+
+
+def download(uri: str, dest: Path) -> None:
+    source = open_source(uri)
+    try:
+        download_all(source, list_objects(source, FAST), dest, FAST)
+    finally:
+        source.close()
+
+
+def test_a_prefix_is_a_folder_and_never_matches_a_longer_name(gcs_server: GcsEmulator, tmp_path: Path) -> None:
+    uri = gcs_server.serve(model_folder(tmp_path))
+    gcs_server.serve(model_folder(tmp_path, "model2"))
+    source = open_source(uri)
+    objects = source.list()
+    source.close()
+    assert sorted(o.relpath for o in objects) == ["1/weights.bin", "config.pbtxt"]
+    weights = next(o for o in objects if o.relpath == "1/weights.bin")
+    assert weights.checksum is not None and weights.checksum.algorithm == "crc32c"
+    assert weights.checksum.value == file_digest(tmp_path / "model" / "1" / "weights.bin", "crc32c")
+
+
+def test_an_exact_name_is_one_file(gcs_server: GcsEmulator) -> None:
+    uri = gcs_server.put("models", "archives/model.zip", b"zip bytes")
+    source = GcsSource(uri)
+    (obj,) = source.list()
+    source.close()
+    assert (obj.relpath, obj.size, obj.key) == ("model.zip", 9, "archives/model.zip") and obj.version.isdigit()
+
+
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        ("gs://models/mod", r"gs://models/mod: no such object and no objects under gs://models/mod/"),
+        ("gs://models/model/x/", r"no objects under gs://models/model/x/ — check the bucket and the prefix"),
+        ("gs://no-such-bucket/m", r"gs://no-such-bucket/m/: not found"),
+    ],
+)
+def test_nothing_there_is_not_found(gcs_server: GcsEmulator, tmp_path: Path, uri: str, message: str) -> None:
+    gcs_server.serve(model_folder(tmp_path))
+    source = GcsSource(uri)
+    with pytest.raises(SourceNotFound, match=message):
+        source.list()
+    source.close()
+
+
+def test_a_model_downloads_byte_for_byte(gcs_server: GcsEmulator, tmp_path: Path) -> None:
+    folder = model_folder(tmp_path)
+    (tmp_path / "dest").mkdir()
+    download(gcs_server.serve(folder), tmp_path / "dest")
+    assert tree_bytes(tmp_path / "dest") == tree_bytes(folder)
+
+
+def test_an_object_whose_bytes_no_longer_match_its_crc32c_fails(gcs_server: GcsEmulator, tmp_path: Path) -> None:
+    uri = gcs_server.put("models", "m/w.bin", b"A" * 1000)
+    gcs_server.tamper("models", "m/w.bin", b"B" * 1000)
+    with pytest.raises(TransientSourceError, match=r"m/w.bin: crc32c checksum mismatch .*gave up after 3 attempts"):
+        download(uri, tmp_path)
+
+
+@pytest.fixture
+def fake_endpoint(http_server: HttpFileServer, monkeypatch: pytest.MonkeyPatch) -> HttpFileServer:
+    """An HTTP server posing as the GCS endpoint, to make it refuse, fail or stall."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", http_server.endpoint)
+    return http_server
+
+
+def test_a_refusal_is_access_denied(fake_endpoint: HttpFileServer) -> None:
+    fake_endpoint.fail("/", Fault(status=403))
+    source = GcsSource("gs://models/m")
+    with pytest.raises(SourceAccessDenied, match=r"gs://models/m/: access denied .*GOOGLE_APPLICATION_CREDENTIALS"):
+        source.list()
+    source.close()
+
+
+def test_a_server_answering_503_is_retried_then_transient(fake_endpoint: HttpFileServer) -> None:
+    fake_endpoint.fail("/", Fault(status=503))
+    source = GcsSource("gs://models/m")
+    with pytest.raises(TransientSourceError, match=r"gs://models/m/: the store failed .*gave up after 3 attempts"):
+        list_objects(source, FAST)
+    source.close()
+    assert sum(path.startswith("/storage/v1/b/models/o?") for _, path in fake_endpoint.requests) == 3
+
+
+def test_a_stalled_download_fails_within_the_stall_timeout(fake_endpoint: HttpFileServer, tmp_path: Path) -> None:
+    fake_endpoint.fail("/", Fault(stall_after_bytes=0))
+    source = GcsSource("gs://models/m")
+    obj = RemoteObject(key="m/w.bin", relpath="w.bin", size=10, version="1")
+    started = time.monotonic()
+    with pytest.raises(TransientSourceError, match=r"gs://models/m/w.bin: the store did not answer in time"):
+        download_all(source, [obj], tmp_path, DownloadOptions(retries=0, stall_timeout_s=0.5))
+    source.close()
+    assert time.monotonic() - started < 3
+
+
+def test_without_credentials_the_client_is_anonymous(monkeypatch: pytest.MonkeyPatch) -> None:
+    from google.auth.credentials import AnonymousCredentials
+
+    for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NO_GCE_CHECK", "True")  # not on GCE: do not wait for a metadata server
+    monkeypatch.setenv("CLOUDSDK_CONFIG", "/nonexistent")  # no gcloud user credentials either
+    source = GcsSource("gs://public-bucket/model")
+    client = source._storage()
+    assert isinstance(client._credentials, AnonymousCredentials)  # public buckets stay readable
+    source.close()
