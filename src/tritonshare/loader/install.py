@@ -1,0 +1,106 @@
+"""Installing a model under NAME: decide before downloading whether it is already there, publish it with
+one rename, and take it back out when Triton cannot load it.
+
+What is installed is identified by the source URI and a digest of the source's *listing* (every object's
+path, size, checksum and version), known before a byte is downloaded: a restarted init container finds
+its own install and reuses it without downloading (kserve#1741/#280), and a NAME holding anything else is
+a conflict, never overwritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tritonshare.common.errors import InstallConflict
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.repository import InstallRecord, publish, read_record, retire, write_record
+from tritonshare.common.triton import TritonClient
+from tritonshare.loader.readiness import is_loading
+from tritonshare.loader.sources.base import RemoteObject
+
+logger = logging.getLogger(__name__)
+
+
+def listing_digest(objects: Iterable[RemoteObject]) -> str:
+    """sha256 over the sorted (relpath, size, checksum, version) of every listed object."""
+    h = hashlib.sha256()
+    for obj in sorted(objects, key=lambda o: o.relpath):
+        checksum = f"{obj.checksum.algorithm}:{obj.checksum.value}" if obj.checksum else "-"
+        h.update(f"{obj.relpath}\0{obj.size}\0{checksum}\0{obj.version}\n".encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Installed:
+    path: Path
+    reused: bool  # True when NAME already held this install and nothing was published
+
+
+def existing(layout: NodeLayout, wanted: InstallRecord) -> InstallRecord | None:
+    """The record of ``repository/NAME`` when it holds this very install; None when NAME is free.
+    Raises InstallConflict when it holds anything else."""
+    target = layout.model_dir(wanted.name)
+    if not target.exists():
+        return None
+    found = read_record(target)
+    if found is not None and found.same_content(wanted):
+        return found
+    raise InstallConflict(_conflict(target, wanted, found))
+
+
+def _conflict(target: Path, wanted: InstallRecord, found: InstallRecord | None) -> str:
+    name = wanted.name
+    advice = f"unload it first (tritonshare unload --name {name}) or choose another --name"
+    if found is None:
+        return f"{target} exists but was not installed by tritonshare (no readable record) — {advice}"
+    if found.source != wanted.source:
+        return f"{target} holds {name!r} installed from {found.source}, not {wanted.source} — {advice}"
+    return (
+        f"{target} holds {name!r} from {wanted.source} as it was before: the source changed since "
+        f"(listing digest {found.digest[:12]} → {wanted.digest[:12]}) — {advice}"
+    )
+
+
+def install(layout: NodeLayout, root: Path, record: InstallRecord) -> Installed:
+    """Record what ``root`` is, then publish it as ``repository/NAME`` with one rename. If another loader
+    of the same source published first, its copy is reused and ``root`` is left to the caller to discard."""
+    stamped = InstallRecord(name=record.name, source=record.source, digest=record.digest, installed_at=time.time())
+    write_record(root, stamped)
+    try:
+        return Installed(publish(layout, root, record.name), reused=False)
+    except InstallConflict:
+        if existing(layout, record) is None:  # it vanished again: let the caller fail rather than loop
+            raise
+        logger.info("%s was installed from the same source meanwhile; using that copy", record.name)
+        return Installed(layout.model_dir(record.name), reused=True)
+
+
+def withdraw(
+    layout: NodeLayout,
+    name: str,
+    client: TritonClient,
+    *,
+    timeout_s: float,
+    interval_s: float = 0.25,
+) -> bool:
+    """Take ``repository/NAME`` back out after a failed load: rename it into staging, then delete it.
+
+    Never while Triton is LOADING it (REFERENCE §2: removing a folder mid-load hangs that load and, with
+    it, POLL for every tenant): wait up to ``timeout_s`` for the load to end, else leave the folder and
+    return False. Triton re-tries a failed model at every poll, so call this as soon as a failure is seen,
+    while the next poll is furthest away.
+    """
+    deadline = time.monotonic() + timeout_s
+    while is_loading(client, name):
+        if time.monotonic() >= deadline:
+            logger.warning("%s is still LOADING in Triton; its folder stays in the repository", name)
+            return False
+        time.sleep(interval_s)
+    if retire(layout, name):
+        logger.info("took %s back out of the repository", name)
+    return True

@@ -1,0 +1,180 @@
+"""Waiting for Triton to serve a published model, and telling why it does not.
+
+``poll`` mode (Triton's ``--model-control-mode=poll``): the folder is already in the repository; Triton
+loads it at its next poll. Every ``interval_s`` the waiter asks ``GET /v2/models/NAME/ready`` and reads
+``POST /v2/repository/index`` so a failed load is reported at once with Triton's reason (triton#6534,
+#6710) instead of at the deadline.
+
+``explicit`` mode: ``POST /v2/repository/models/NAME/load`` returns when the load has finished or failed.
+
+Two facts about Triton 2.51's index shape the poll waiter (both seen here):
+
+- a folder Triton has not looked at yet is listed by name only (state ""); a config.pbtxt Triton cannot
+  parse keeps it that way for good (Triton only logs "Poll failed for model directory");
+- a name Triton loaded or failed before keeps its last state while its folder is gone, and shows it again
+  when a folder of that name reappears, until the next poll. So an UNAVAILABLE entry counts as this
+  load's failure only once Triton shows it picked the new folder up (name-only, LOADING or READY seen, or
+  a different reason), or after ``stale_grace_s``. Reason "unloaded" is never a load failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tritonshare.common.errors import ReadinessTimeout, TritonLoadFailed, TritonUnavailable, clip
+from tritonshare.common.triton import ModelState, TritonClient
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+Sleep = Callable[[float], None]
+
+UNLOADED = "unloaded"  # Triton's reason for a model it unloaded on purpose
+STALE_GRACE_S = 30.0  # twice Triton's default --repository-poll-secs (15)
+
+
+@dataclass(frozen=True)
+class Look:
+    """One look at Triton: is NAME ready, what does the index say, or why Triton did not answer."""
+
+    ready: bool = False
+    states: tuple[ModelState, ...] = ()
+    error: str = ""
+
+    @property
+    def loading(self) -> bool:
+        return any(s.state == "LOADING" for s in self.states)
+
+    def failure(self) -> str:
+        """Triton's reason when a version of NAME failed to load; "" otherwise."""
+        return next((s.reason for s in self.states if s.state == "UNAVAILABLE" and s.reason != UNLOADED), "")
+
+    def fresh(self) -> bool:
+        """True when the index can only describe a folder Triton has looked at since it was published."""
+        return any(s.state in ("", "LOADING", "READY") for s in self.states)
+
+
+def look(client: TritonClient, name: str) -> Look:
+    try:
+        if client.model_ready(name):
+            return Look(ready=True)
+        return Look(states=tuple(client.model_states(name)))
+    except TritonUnavailable as exc:
+        return Look(error=str(exc))
+
+
+def is_loading(client: TritonClient, name: str) -> bool:
+    """Whether Triton is loading NAME now; an unreachable Triton is loading nothing."""
+    return look(client, name).loading
+
+
+@dataclass
+class PollWaiter:
+    """State of one wait in poll mode: when it started, the looks so far."""
+
+    client: TritonClient
+    name: str
+    timeout_s: float
+    interval_s: float = 0.25
+    stale_grace_s: float = STALE_GRACE_S
+    clock: Clock = time.monotonic
+    sleep: Sleep = time.sleep
+    started: float = field(init=False, default=0.0)
+    picked_up: bool = field(init=False, default=False)
+    first_reason: str | None = field(init=False, default=None)
+
+    def wait(self) -> None:
+        """Return when NAME is ready; raise TritonLoadFailed or ReadinessTimeout."""
+        self.started = self.clock()
+        while True:
+            seen = look(self.client, self.name)
+            if seen.ready:
+                return
+            self._judge(seen)
+            if self.clock() - self.started >= self.timeout_s:
+                raise ReadinessTimeout(self._timeout_message(seen))
+            self.sleep(self.interval_s)
+
+    def _judge(self, seen: Look) -> None:
+        reason = seen.failure()
+        if seen.fresh() or (self.first_reason is not None and reason and reason != self.first_reason):
+            self.picked_up = True
+        if self.first_reason is None and seen.states:
+            self.first_reason = reason
+        trusted = self.picked_up or self.clock() - self.started >= self.stale_grace_s
+        if reason and trusted:
+            raise TritonLoadFailed(f"Triton failed to load {self.name}: {clip(reason, 600)}")
+
+    def _timeout_message(self, seen: Look) -> str:
+        head = f"{self.name} is not ready {self.clock() - self.started:.1f} s after publishing"
+        if seen.error:
+            return f"{head}: {seen.error}"
+        if seen.loading:
+            return f"{head}: Triton is still LOADING it — raise --timeout-s for a model this large or slow"
+        if not seen.states:
+            return f"{head}: Triton's index does not list it — is Triton's --model-repository this repository?"
+        if seen.failure():
+            return f"{head}: Triton still reports it UNAVAILABLE ({clip(seen.failure())}), maybe from an earlier load"
+        return (
+            f"{head}: Triton has not started loading it — its polling may be held up by another model's load, or "
+            "config.pbtxt does not match Triton's ModelConfig schema (Triton's log then says 'Poll failed')"
+        )
+
+
+def wait_polled(client: TritonClient, name: str, *, timeout_s: float, interval_s: float = 0.25) -> None:
+    PollWaiter(client, name, timeout_s, interval_s).wait()
+
+
+def load_explicitly(client: TritonClient, name: str, *, timeout_s: float, interval_s: float = 0.25) -> None:
+    """Ask Triton to load NAME and report its answer; the call lasts as long as the load, so there is
+    nothing to poll (``interval_s`` is unused)."""
+    loader = TritonClient(client.url, timeout_s=max(timeout_s, 0.1))
+    try:
+        reply = loader.load(name)
+    except TritonUnavailable as exc:
+        if isinstance(exc.__cause__, TimeoutError):
+            raise ReadinessTimeout(f"Triton did not finish loading {name} within {timeout_s:g} s") from exc
+        raise ReadinessTimeout(f"{name} could not be loaded: {exc}") from exc
+    if reply.status != 200:
+        raise TritonLoadFailed(f"Triton failed to load {name}: {reply.error_text()}")
+    if not client.model_ready(name):
+        raise TritonLoadFailed(f"Triton accepted the load of {name} but does not report it ready")
+
+
+class Readiness(Protocol):
+    def __call__(self, client: TritonClient, name: str, *, timeout_s: float, interval_s: float = ...) -> None: ...
+
+
+# --mode → how the published model becomes ready
+MODES: dict[str, Readiness] = {"poll": wait_polled, "explicit": load_explicitly}
+
+
+def wait_live(
+    client: TritonClient,
+    *,
+    timeout_s: float,
+    interval_s: float = 0.25,
+    clock: Clock = time.monotonic,
+    sleep: Sleep = time.sleep,
+) -> None:
+    """Wait until Triton answers, before anything is downloaded.
+
+    Triton down is a readiness timeout (exit 13), not a load failure (12): Triton never tried the model,
+    and the cure is on the node (Triton restarting, a wrong --triton-url), not in the model. Waiting up to
+    the readiness deadline rides out a Triton that starts together with the pod, as on a node's boot.
+    """
+    started = clock()
+    while True:
+        try:
+            if client.server_live():
+                return
+            error = "it answers but is not live"
+        except TritonUnavailable as exc:
+            error = str(exc)
+        if clock() - started >= timeout_s:
+            raise ReadinessTimeout(f"Triton is not reachable after {clock() - started:.1f} s: {error}")
+        sleep(interval_s)

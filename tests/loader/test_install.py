@@ -1,0 +1,109 @@
+"""Install identity, reuse and conflicts on a real folder pair (no Triton needed, except that
+``withdraw`` is shown to proceed when Triton cannot be asked)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.support.models import write_model
+from tests.support.ports import free_port
+from tritonshare.common.errors import ExitCode, InstallConflict
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.repository import RECORD_FILE, InstallRecord, read_record
+from tritonshare.common.triton import TritonClient
+from tritonshare.loader.install import existing, install, listing_digest, withdraw
+from tritonshare.loader.sources.base import Checksum, RemoteObject
+
+OBJECTS = [
+    RemoteObject(key="b/m/config.pbtxt", relpath="config.pbtxt", size=120, version="e1"),
+    RemoteObject(key="b/m/1/model.py", relpath="1/model.py", size=300, version="e2",
+                 checksum=Checksum(algorithm="md5", value="0" * 32)),
+]  # fmt: skip
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> NodeLayout:
+    layout = NodeLayout(repository=tmp_path / "models", staging=tmp_path / "staging")
+    layout.repository.mkdir()
+    layout.staging.mkdir()
+    return layout
+
+
+def record(digest: str = "d1", source: str = "s3://b/m", name: str = "m") -> InstallRecord:
+    return InstallRecord(name=name, source=source, digest=digest)
+
+
+def test_listing_digest_ignores_listing_order_and_sees_every_field() -> None:
+    base = listing_digest(OBJECTS)
+    assert listing_digest(list(reversed(OBJECTS))) == base
+    first, second = OBJECTS
+    changed = [
+        RemoteObject(key=first.key, relpath=first.relpath, size=121, version="e1"),
+        RemoteObject(key=first.key, relpath=first.relpath, size=120, version="e9"),
+        RemoteObject(key=first.key, relpath="2/config.pbtxt", size=120, version="e1"),
+        RemoteObject(key=first.key, relpath=first.relpath, size=120, version="e1",
+                     checksum=Checksum(algorithm="md5", value="1" * 32)),
+    ]  # fmt: skip
+    digests = {listing_digest([c, second]) for c in changed}
+    assert base not in digests and len(digests) == len(changed)
+
+
+def test_a_free_name_has_no_existing_install(node: NodeLayout) -> None:
+    assert existing(node, record()) is None
+
+
+def test_install_publishes_with_its_record_and_is_then_found_as_the_same(node: NodeLayout, tmp_path: Path) -> None:
+    root = write_model(tmp_path / "staged")
+    done = install(node, root, record())
+    assert done.path == node.model_dir("m") and not done.reused and not root.exists()
+    on_disk = read_record(done.path)
+    assert on_disk is not None and on_disk.installed_at > 0
+    assert existing(node, record()) == on_disk
+
+
+@pytest.mark.parametrize(
+    ("installed", "why"),
+    [
+        (record(source="gs://other/m"), r"holds 'm' installed from gs://other/m, not s3://b/m"),
+        (record(digest="d0"), r"the source changed since \(listing digest d0 → d1\)"),
+    ],
+)
+def test_a_name_holding_another_install_is_a_conflict(
+    node: NodeLayout, tmp_path: Path, installed: InstallRecord, why: str
+) -> None:
+    install(node, write_model(tmp_path / "staged"), installed)
+    with pytest.raises(InstallConflict, match=why) as info:
+        existing(node, record())
+    assert info.value.exit_code == ExitCode.INSTALL_CONFLICT
+    assert "tritonshare unload --name m" in str(info.value)
+
+
+def test_a_folder_not_installed_by_tritonshare_is_a_conflict_and_stays_untouched(node: NodeLayout) -> None:
+    theirs = write_model(node.model_dir("m"))
+    with pytest.raises(InstallConflict, match=r"exists but was not installed by tritonshare"):
+        existing(node, record())
+    assert (theirs / "config.pbtxt").exists() and not (theirs / RECORD_FILE).exists()
+
+
+def test_losing_a_publish_race_to_the_same_source_reuses_the_winner(node: NodeLayout, tmp_path: Path) -> None:
+    winner = install(node, write_model(tmp_path / "first"), record())
+    second = write_model(tmp_path / "second")
+    done = install(node, second, record())
+    assert done.reused and done.path == winner.path
+    assert second.exists()  # not published: the caller discards its staging folder
+
+
+def test_losing_a_publish_race_to_another_source_is_a_conflict(node: NodeLayout, tmp_path: Path) -> None:
+    install(node, write_model(tmp_path / "first"), record(source="s3://b/other"))
+    with pytest.raises(InstallConflict, match=r"installed from s3://b/other, not s3://b/m"):
+        install(node, write_model(tmp_path / "second"), record())
+
+
+def test_withdraw_renames_out_then_deletes_when_triton_cannot_be_asked(node: NodeLayout, tmp_path: Path) -> None:
+    install(node, write_model(tmp_path / "staged"), record())
+    unreachable = TritonClient(f"http://127.0.0.1:{free_port()}", timeout_s=0.5)
+    assert withdraw(node, "m", unreachable, timeout_s=1)
+    assert os.listdir(node.repository) == [] and os.listdir(node.staging) == []

@@ -1,0 +1,183 @@
+"""Waiting for Triton, against the real server: ready, failed with Triton's reason, a stale failure left by
+an earlier folder of the same name, a config Triton silently ignores, Triton down, and explicit mode."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.models import BROKEN_MODEL, IDENTITY_CONFIG, write_model
+from tests.support.ports import free_port
+from tests.support.triton import TritonServer
+from tritonshare.common.errors import ExitCode, ReadinessTimeout, TritonLoadFailed
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.repository import retire
+from tritonshare.common.triton import ModelState, TritonClient
+from tritonshare.loader.install import withdraw
+from tritonshare.loader.readiness import PollWaiter, load_explicitly, look, wait_live, wait_polled
+
+pytestmark = pytest.mark.triton
+
+
+def publish_model(layout: NodeLayout, name: str, **kwargs: str) -> Path:
+    staged = write_model(layout.staging / f"{name}.test", **kwargs)  # type: ignore[arg-type]
+    target = layout.model_dir(name)
+    os.rename(staged, target)
+    return target
+
+
+def wait_for_state(client: TritonClient, name: str, state: str, timeout_s: float = 30) -> ModelState:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for s in client.model_states(name):
+            if s.state == state:
+                return s
+        time.sleep(0.05)
+    raise AssertionError(f"{name} never reached {state}: {client.model_states(name)}")
+
+
+@pytest.fixture
+def client(triton: TritonServer) -> TritonClient:
+    return TritonClient(triton.url)
+
+
+def test_a_published_model_is_awaited_until_ready(layout: NodeLayout, client: TritonClient, model_name: str) -> None:
+    publish_model(layout, model_name)
+    wait_polled(client, model_name, timeout_s=60)
+    assert client.model_ready(model_name)
+    retire(layout, model_name)
+
+
+def test_a_failing_model_is_reported_with_tritons_reason_well_before_the_deadline(
+    layout: NodeLayout, client: TritonClient, model_name: str
+) -> None:
+    publish_model(layout, model_name, model_py=BROKEN_MODEL)
+    started = time.monotonic()
+    with pytest.raises(
+        TritonLoadFailed, match=rf"Triton failed to load {model_name}: .*this model refuses to load"
+    ) as e:
+        wait_polled(client, model_name, timeout_s=120)
+    assert time.monotonic() - started < 20
+    assert e.value.exit_code == ExitCode.TRITON_LOAD_FAILED
+    assert withdraw(layout, model_name, client, timeout_s=30)
+    assert not layout.model_dir(model_name).exists()
+
+
+def test_a_failure_left_by_an_earlier_folder_of_the_same_name_is_not_taken_for_the_new_one(
+    layout: NodeLayout, client: TritonClient, model_name: str
+) -> None:
+    publish_model(layout, model_name, config=IDENTITY_CONFIG.replace('"python"', '"no-such-backend"'))
+    wait_for_state(client, model_name, "UNAVAILABLE")
+    assert withdraw(layout, model_name, client, timeout_s=30)
+    publish_model(layout, model_name)  # a fixed model under the same name, at once
+    first = look(client, model_name)
+    assert "no-such-backend" in first.failure()  # Triton shows the old failure for the new folder...
+    PollWaiter(client, model_name, timeout_s=60).wait()  # ...which must not be taken for this load's
+    assert client.model_ready(model_name)
+    retire(layout, model_name)
+
+
+def test_a_config_triton_cannot_parse_times_out_with_a_hint(
+    layout: NodeLayout, client: TritonClient, model_name: str
+) -> None:
+    # An unknown field: Triton logs "Poll failed" and keeps the model name-only, never UNAVAILABLE.
+    publish_model(layout, model_name, config=IDENTITY_CONFIG + "no_such_field: 1\n")
+    with pytest.raises(ReadinessTimeout, match=r"Triton has not started loading it .* 'Poll failed'") as e:
+        wait_polled(client, model_name, timeout_s=2.5)
+    assert e.value.exit_code == ExitCode.READINESS_TIMEOUT
+    retire(layout, model_name)
+
+
+def test_a_model_missing_from_tritons_repository_times_out_naming_the_repository(
+    client: TritonClient, model_name: str
+) -> None:
+    with pytest.raises(ReadinessTimeout, match=r"Triton's index does not list it — is Triton's --model-repository"):
+        wait_polled(client, model_name, timeout_s=0.3)
+
+
+def test_triton_down_is_a_readiness_timeout_naming_the_url() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ReadinessTimeout, match=rf"Triton is not reachable after 0\.[0-9] s: Triton at {url} did not"):
+        wait_live(TritonClient(url), timeout_s=0.5, interval_s=0.1)
+
+
+def test_explicit_load_against_a_polling_triton_reports_tritons_refusal(
+    layout: NodeLayout, client: TritonClient, model_name: str
+) -> None:
+    with pytest.raises(TritonLoadFailed, match=r"not allowed if polling is enabled"):
+        load_explicitly(client, model_name, timeout_s=10)
+
+
+class FakeTriton:
+    """Replays index entries, for the waiter's judgement alone (the real sequences are tested above)."""
+
+    url = "http://fake"
+
+    def __init__(self, states: list[ModelState]) -> None:
+        self.states = states
+
+    def model_ready(self, name: str) -> bool:
+        return False
+
+    def model_states(self, name: str) -> list[ModelState]:
+        return self.states
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_an_unchanging_failure_counts_once_the_stale_grace_has_passed() -> None:
+    fake, clock = FakeTriton([ModelState(name="m", version="1", state="UNAVAILABLE", reason="bad")]), FakeClock()
+    waiter = PollWaiter(fake, "m", timeout_s=100, stale_grace_s=5, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+    with pytest.raises(TritonLoadFailed, match="bad"):
+        waiter.wait()
+    assert 5 <= clock.now < 6
+
+
+def test_unloaded_is_never_a_load_failure() -> None:
+    fake, clock = FakeTriton([ModelState(name="m", version="1", state="UNAVAILABLE", reason="unloaded")]), FakeClock()
+    waiter = PollWaiter(fake, "m", timeout_s=40, stale_grace_s=5, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+    with pytest.raises(ReadinessTimeout, match=r"not ready 40\.0 s after publishing: Triton has not started loading"):
+        waiter.wait()
+
+
+# ---- explicit mode: a Triton of its own, with --model-control-mode=explicit ------------------------------
+
+
+@pytest.fixture(scope="module")
+def explicit_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, NodeLayout]]:
+    root = tmp_path_factory.mktemp("explicit-node")
+    layout = NodeLayout(repository=root / "models", staging=root / "staging")
+    layout.repository.mkdir()
+    layout.staging.mkdir()
+    server = TritonServer(repository=layout.repository, log_path=root / "triton.log", mode="explicit").start()
+    yield server, layout
+    server.stop()
+
+
+def test_explicit_mode_loads_and_the_model_is_ready(explicit_triton: tuple[TritonServer, NodeLayout]) -> None:
+    server, layout = explicit_triton
+    publish_model(layout, "good")
+    client = TritonClient(server.url)
+    assert not client.model_ready("good")  # explicit mode loads nothing by itself
+    load_explicitly(client, "good", timeout_s=60)
+    assert client.model_ready("good")
+
+
+def test_explicit_mode_reports_tritons_reason(explicit_triton: tuple[TritonServer, NodeLayout]) -> None:
+    server, layout = explicit_triton
+    publish_model(layout, "broken", model_py=BROKEN_MODEL)
+    with pytest.raises(TritonLoadFailed, match=r"Triton failed to load broken: .*this model refuses to load"):
+        load_explicitly(TritonClient(server.url), "broken", timeout_s=60)
