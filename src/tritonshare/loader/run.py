@@ -1,0 +1,197 @@
+"""``tritonshare load``: fetch a model, install it atomically into Triton's repository, wait until ready.
+
+Phases, each logged with its duration::
+
+    triton    Triton answers (else exit 13 before anything is downloaded)
+    list      the source's objects → listing digest → reuse, conflict (14) or go on
+    space     listed bytes vs free space on the staging filesystem (15)
+    download  into a fresh staging folder
+    unpack    when the source is one archive file
+    check     find the model root, check it, set config.pbtxt's name
+    publish   record + one rename into repository/NAME
+    load      Triton reports it ready (poll) or loaded it (explicit)
+
+On any failure nothing new stays in staging or the repository: the staging folder is discarded, and a
+published folder Triton could not load is taken back out (rename out, then delete) — except while Triton
+is LOADING it, where removing it would hang Triton's polling for every model (REFERENCE §2).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from tritonshare.common.errors import ExitCode, InsufficientSpace, ReadinessTimeout, TritonLoadFailed
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.repository import InstallRecord, discard, new_staging_dir
+from tritonshare.common.triton import TritonClient
+from tritonshare.loader import sources
+from tritonshare.loader.archive import unpack, unpacker_for
+from tritonshare.loader.download import MIB, DownloadOptions, download_all, list_objects, listed_bytes
+from tritonshare.loader.install import Installed, existing, install, listing_digest, withdraw
+from tritonshare.loader.model import prepare
+from tritonshare.loader.readiness import MODES, wait_live
+from tritonshare.loader.settings import LoaderSettings
+from tritonshare.loader.sources.base import RemoteObject, Source
+
+logger = logging.getLogger(__name__)
+
+DiskFree = Callable[[Path], int]  # bytes free on the filesystem holding a path
+SourceOpener = Callable[[str], Source]
+
+WITHDRAW_TIMEOUT_S = 60.0  # how long a failed model may stay LOADING (Triton re-tries it) before we give up
+
+
+def disk_free(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+class Timings:
+    """Durations of the phases of one load, logged as each ends and together at the end."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.monotonic() - started
+            logger.info("phase %s took %.2f s", name, self.seconds[name])
+
+    def summary(self) -> str:
+        return ", ".join(f"{name} {secs:.2f} s" for name, secs in self.seconds.items())
+
+
+def run(
+    settings: LoaderSettings,
+    *,
+    disk_free: DiskFree = disk_free,
+    open_source: SourceOpener = sources.open_source,
+    client: TritonClient | None = None,
+) -> int:
+    """Load ``settings.source`` as ``settings.name``; returns ExitCode.OK or raises from the error tree."""
+    settings.layout.check()
+    client = client or TritonClient(settings.triton_url)
+    timings = Timings()
+    with timings.phase("triton"):
+        wait_live(client, timeout_s=settings.timeout_s, interval_s=settings.poll_interval_s)
+    installed = _fetch_and_install(settings, timings, disk_free, open_source)
+    _await_ready(settings, client, installed, timings)
+    logger.info("%s is ready (%s): %s", settings.name, "reused" if installed.reused else "installed", timings.summary())
+    return ExitCode.OK
+
+
+def _fetch_and_install(
+    settings: LoaderSettings, timings: Timings, free: DiskFree, open_source: SourceOpener
+) -> Installed:
+    source = open_source(settings.source)
+    try:
+        options = DownloadOptions.from_settings(settings)
+        with timings.phase("list"):
+            objects = list_objects(source, options)
+        record = InstallRecord(name=settings.name, source=record_uri(settings.source), digest=listing_digest(objects))
+        found = existing(settings.layout, record)
+        if found is not None:
+            when = datetime.fromtimestamp(found.installed_at, timezone.utc).isoformat(timespec="seconds")
+            logger.info("%s already holds %s as installed at %s; reusing it, nothing to download", settings.name,
+                        record.source, when)  # fmt: skip
+            return Installed(settings.layout.model_dir(settings.name), reused=True)
+        with timings.phase("space"):
+            check_space(settings.layout.staging, listed_bytes(objects), free, record.source)
+        return _stage(settings, source, objects, record, timings, free)
+    finally:
+        source.close()
+
+
+def _stage(
+    settings: LoaderSettings,
+    source: Source,
+    objects: list[RemoteObject],
+    record: InstallRecord,
+    timings: Timings,
+    free: DiskFree,
+) -> Installed:
+    """Download into a fresh staging folder, unpack, check, publish; the folder goes whatever happens."""
+    workspace = new_staging_dir(settings.layout, settings.name)
+    try:
+        files = workspace / "download"
+        files.mkdir()
+        with timings.phase("download"):
+            download_all(source, objects, files, DownloadOptions.from_settings(settings))
+        top = _unpack_if_archive(files, objects, workspace, free, timings)
+        with timings.phase("check"):
+            root = prepare(top, settings.name, record.source)
+        with timings.phase("publish"):
+            return install(settings.layout, root, record)
+    finally:
+        discard(workspace)
+
+
+def _unpack_if_archive(
+    files: Path, objects: list[RemoteObject], workspace: Path, free: DiskFree, timings: Timings
+) -> Path:
+    """A source that is one archive file (``…/model.tar.gz``) is unpacked; anything else is the model."""
+    if len(objects) != 1 or "/" in objects[0].relpath:
+        return files
+    archive = files / objects[0].relpath
+    if unpacker_for(archive) is None:
+        return files
+    unpacked = workspace / "unpacked"
+    unpacked.mkdir()
+    with timings.phase("unpack"):
+        unpack(archive, unpacked, max_bytes=free(workspace))
+    archive.unlink()
+    return unpacked
+
+
+def check_space(staging: Path, needed: int, free: DiskFree, label: str) -> None:
+    """Fail before downloading when the listed bytes do not fit (runtime-adapter#48, kserve#3792: a volume
+    filled mid-download gets the pod evicted)."""
+    available = free(staging)
+    if needed > available:
+        raise InsufficientSpace(
+            f"{label}: the model is {needed / MIB:.1f} MiB but {staging} has {available / MIB:.1f} MiB free — "
+            "free space on the node or give the staging volume more room"
+        )
+    logger.info("%s: %.1f MiB to download, %.1f MiB free in %s", label, needed / MIB, available / MIB, staging)
+
+
+def _await_ready(settings: LoaderSettings, client: TritonClient, installed: Installed, timings: Timings) -> None:
+    """Wait for Triton; on failure take the folder back out unless Triton is loading it."""
+    ready = MODES[settings.mode]
+    try:
+        with timings.phase("load"):
+            ready(client, settings.name, timeout_s=settings.timeout_s, interval_s=settings.poll_interval_s)
+    except TritonLoadFailed as exc:
+        if not withdraw(settings.layout, settings.name, client, timeout_s=WITHDRAW_TIMEOUT_S):
+            raise TritonLoadFailed(f"{exc}; {_left_in_place(settings.layout, settings.name)}") from exc
+        raise
+    except ReadinessTimeout as exc:
+        if not withdraw(settings.layout, settings.name, client, timeout_s=0):
+            raise ReadinessTimeout(f"{exc}; {_left_in_place(settings.layout, settings.name)}") from exc
+        raise
+
+
+def _left_in_place(layout: NodeLayout, name: str) -> str:
+    return (
+        f"{layout.model_dir(name)} stays in the repository because Triton is LOADING it and removing it now "
+        f"would hang Triton's polling for every model — `tritonshare unload --name {name}` removes it once the "
+        "load ends"
+    )
+
+
+def record_uri(uri: str) -> str:
+    """The source as recorded on the node and shown in messages: without any user:password part."""
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
