@@ -119,6 +119,19 @@ def test_cap_admits_n_then_queues_and_hands_each_freed_slot_to_the_oldest_waiter
     assert admission.stats.inflight == 2 and admission.waiting == 0
 
 
+def test_idle_only_when_no_slot_is_held_or_handed_over_and_nobody_waits() -> None:
+    loop, out = FakeLoop(), Outcomes()
+    admission = make(loop, max_inflight=1, max_queue=10)
+    assert admission.idle
+    assert admission.try_acquire()
+    admission.enqueue(out.callback("w"))
+    admission.release()  # handed over, not yet delivered: a drain must not stop here
+    assert not admission.idle
+    loop.run_ready()
+    admission.release()
+    assert admission.idle and out.admitted() == ["w"]
+
+
 def test_newcomer_never_overtakes_a_waiter() -> None:
     loop, out = FakeLoop(), Outcomes()
     admission = make(loop, max_inflight=1, max_queue=10)

@@ -240,6 +240,12 @@ class Admission:
     def waiting(self) -> int:
         return len(self._queue)
 
+    @property
+    def idle(self) -> bool:
+        """No slot held and nobody waiting (with a slot handed over but not yet delivered, not idle):
+        what a drain on SIGTERM waits for, besides the requests in flight."""
+        return self.stats.inflight == 0 and not self._queue
+
     def close(self) -> None:
         """Stop the timers (at shutdown) and log the last refusal summary."""
         if self._timer is not None:
