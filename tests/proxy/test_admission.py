@@ -13,7 +13,8 @@ import uvloop
 from prometheus_client import CollectorRegistry
 
 from tritonshare.common.errors import UsageError
-from tritonshare.proxy.admission import Admission, AdmissionLimits, Refusal, TokenBucket
+from tritonshare.proxy.admission import LIMITED_ROUTES, Admission, AdmissionLimits, Refusal, TokenBucket
+from tritonshare.proxy.policy import GRPC_RULES, REST_MODEL_ROUTES, Verdict
 
 MODEL = "m"
 
@@ -91,6 +92,14 @@ class Outcomes:
 
 def make(loop: FakeLoop, registry: CollectorRegistry | None = None, **limits: float) -> Admission:
     return Admission(AdmissionLimits(**limits), model=MODEL, loop=loop, registry=registry)  # type: ignore[arg-type]
+
+
+def test_limited_routes_are_the_inference_routes_of_the_policy() -> None:
+    """Probes, metadata and statistics are never queued or throttled; every inference route is."""
+    rules = {rule.route: rule for rule in (*REST_MODEL_ROUTES.values(), *GRPC_RULES.values())}
+    assert LIMITED_ROUTES <= rules.keys()
+    assert {route for route, rule in rules.items() if rule.inspect} == LIMITED_ROUTES
+    assert all(rules[route].verdict is Verdict.OWN for route in LIMITED_ROUTES)
 
 
 def test_off_by_default_needs_no_loop_and_exports_nothing() -> None:
