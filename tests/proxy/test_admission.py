@@ -96,10 +96,11 @@ def make(loop: FakeLoop, registry: CollectorRegistry | None = None, **limits: fl
 
 def test_limited_routes_are_the_inference_routes_of_the_policy() -> None:
     """Probes, metadata and statistics are never queued or throttled; every inference route is."""
-    rules = {rule.route: rule for rule in (*REST_MODEL_ROUTES.values(), *GRPC_RULES.values())}
+    rules: dict[str, tuple[Verdict, bool]] = {r.route: (r.verdict, r.inspect) for r in REST_MODEL_ROUTES.values()}
+    rules.update({r.route: (r.verdict, r.inspect) for r in GRPC_RULES.values()})
     assert LIMITED_ROUTES <= rules.keys()
-    assert {route for route, rule in rules.items() if rule.inspect} == LIMITED_ROUTES
-    assert all(rules[route].verdict is Verdict.OWN for route in LIMITED_ROUTES)
+    assert {route for route, (_, inspect) in rules.items() if inspect} == LIMITED_ROUTES
+    assert all(rules[route][0] is Verdict.OWN for route in LIMITED_ROUTES)
 
 
 def test_off_by_default_needs_no_loop_and_exports_nothing() -> None:
