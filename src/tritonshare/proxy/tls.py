@@ -63,8 +63,7 @@ class TlsCertificates:
         self._trouble = ""
         self.reloads = 0
         self.reload_errors = 0
-        identity = self._identity_or_usage_error()
-        self._identity: tuple[_FileIdentity, _FileIdentity] = identity
+        self._identity = self._identity_or_usage_error()
         self._current = self._build_or_usage_error()
         self._listening: dict[str, ssl.SSLContext] = {}
         if registry is not None:
