@@ -1,0 +1,265 @@
+"""``run(settings)`` end to end in this process: a real Triton (POLL, 1 s), models from local paths and
+archives. Every failure is driven by a real condition and leaves nothing new in the repository or staging
+(except, by design, a folder Triton is still LOADING at the deadline)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tarfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from tests.support.models import BROKEN_MODEL, IDENTITY_MODEL, write_model
+from tests.support.ports import free_port
+from tests.support.storage import make_tar
+from tests.support.triton import TritonServer
+from tritonshare.common.errors import (
+    ExitCode,
+    InstallConflict,
+    InsufficientSpace,
+    InvalidModel,
+    ReadinessTimeout,
+    SourceNotFound,
+    TritonLoadFailed,
+    TritonshareError,
+    UnsafeArchive,
+)
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.repository import RECORD_FILE, read_record
+from tritonshare.common.triton import TritonClient
+from tritonshare.loader.install import withdraw
+from tritonshare.loader.run import run
+from tritonshare.loader.settings import LoaderSettings
+
+pytestmark = pytest.mark.triton
+
+# initialize() takes long enough that a short deadline finds the model LOADING, deterministically
+SLOW_INIT_MODEL = "import time\n\n\n" + IDENTITY_MODEL.replace(
+    "class TritonPythonModel:\n", "class TritonPythonModel:\n    def initialize(self, args):\n        time.sleep(5)\n\n"
+)
+
+
+def settings(layout: NodeLayout, triton: TritonServer, source: Path | str, name: str, **kw: object) -> LoaderSettings:
+    base: dict[str, object] = {"timeout_s": 60.0, "poll_interval_s": 0.1, "termination_log": None}
+    return LoaderSettings(source=str(source), name=name, layout=layout, triton_url=triton.url, **{**base, **kw})  # type: ignore[arg-type]
+
+
+def node_entries(layout: NodeLayout) -> set[str]:
+    return {f"models/{n}" for n in os.listdir(layout.repository)} | {f"staging/{n}" for n in os.listdir(layout.staging)}
+
+
+def infer_identity(triton: TritonServer, name: str) -> None:
+    client = httpclient.InferenceServerClient(triton.url.removeprefix("http://"), network_timeout=30)
+    try:
+        data = np.arange(6, dtype=np.float32)
+        tensor = httpclient.InferInput("INPUT0", [6], "FP32")
+        tensor.set_data_from_numpy(data)
+        np.testing.assert_array_equal(client.infer(name, [tensor]).as_numpy("OUTPUT0"), data)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def cleanup(layout: NodeLayout, triton: TritonServer) -> Iterator[list[str]]:
+    """Names to take out of the shared Triton after the test (waiting out a load first)."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        withdraw(layout, name, TritonClient(triton.url), timeout_s=60)
+
+
+def expect_failure(
+    error: type[TritonshareError], code: ExitCode, match: str, layout: NodeLayout, conf: LoaderSettings
+) -> TritonshareError:
+    before = node_entries(layout)
+    with pytest.raises(error, match=match) as info:
+        run(conf)
+    assert info.value.exit_code == code
+    assert node_entries(layout) == before, "a failed load left something in the repository or staging"
+    return info.value
+
+
+def test_a_local_folder_is_installed_named_and_served(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
+) -> None:
+    source = write_model(tmp_path / "exported", name="exported-under-another-name")
+    before = node_entries(layout)
+    cleanup.append(model_name)
+    assert run(settings(layout, triton, source, model_name)) == ExitCode.OK
+    infer_identity(triton, model_name)
+    installed = layout.model_dir(model_name)
+    assert (installed / "config.pbtxt").read_text().startswith(f'name: "{model_name}"\n')
+    assert node_entries(layout) == before | {f"models/{model_name}"}  # no staging leftovers
+    record = read_record(installed)
+    assert record is not None and record.source == str(source) and len(record.digest) == 64
+
+
+def test_an_archive_with_a_wrapping_folder_is_unpacked_and_served(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
+) -> None:
+    archive = make_tar(write_model(tmp_path / "resnet"), tmp_path / "resnet.tar.gz", arcname="resnet")
+    cleanup.append(model_name)
+    assert run(settings(layout, triton, archive, model_name)) == ExitCode.OK
+    infer_identity(triton, model_name)
+    assert sorted(os.listdir(layout.model_dir(model_name))) == ["1", "config.pbtxt", RECORD_FILE]
+
+
+def test_a_second_load_of_the_same_source_reuses_the_install_without_downloading(
+    layout: NodeLayout,
+    triton: TritonServer,
+    model_name: str,
+    tmp_path: Path,
+    cleanup: list[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    source = write_model(tmp_path / "m")
+    cleanup.append(model_name)
+    run(settings(layout, triton, source, model_name))
+    first = read_record(layout.model_dir(model_name))
+
+    def no_download(path: Path) -> int:  # only measured right before downloading
+        raise AssertionError("the restarted loader went on to download")
+
+    caplog.set_level(logging.INFO, logger="tritonshare")
+    assert run(settings(layout, triton, source, model_name), disk_free=no_download) == ExitCode.OK
+    assert read_record(layout.model_dir(model_name)) == first  # same install, same installed_at
+    assert f"{model_name} already holds {source} as installed at" in caplog.text
+    infer_identity(triton, model_name)
+
+
+def test_a_name_installed_from_another_source_is_a_conflict_and_keeps_serving(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
+) -> None:
+    cleanup.append(model_name)
+    run(settings(layout, triton, write_model(tmp_path / "a"), model_name))
+    other = write_model(tmp_path / "b")
+    expect_failure(InstallConflict, ExitCode.INSTALL_CONFLICT, rf"holds '{model_name}' installed from .*/a, not .*/b",
+                   layout, settings(layout, triton, other, model_name))  # fmt: skip
+    infer_identity(triton, model_name)
+
+
+def test_a_model_larger_than_the_free_space_is_refused_before_downloading(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    source = write_model(tmp_path / "m", padding_bytes=3 << 20)
+    conf = settings(layout, triton, source, model_name)
+    before = node_entries(layout)
+    with pytest.raises(InsufficientSpace, match=r"the model is 3\.0 MiB but .*staging has 1\.0 MiB free") as info:
+        run(conf, disk_free=lambda path: 1 << 20)
+    assert info.value.exit_code == ExitCode.INSUFFICIENT_SPACE
+    assert node_entries(layout) == before
+
+
+def test_a_folder_that_is_not_a_model_is_refused(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.onnx").write_bytes(b"onnx")
+    expect_failure(InvalidModel, ExitCode.SOURCE_PERMANENT, r"not a Triton model .* found model.onnx",
+                   layout, settings(layout, triton, tmp_path / "m", model_name))  # fmt: skip
+
+
+def test_an_archive_with_a_member_climbing_out_is_refused(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    archive = make_tar(write_model(tmp_path / "m"), tmp_path / "m.tar.gz")
+    with tarfile.open(tmp_path / "evil.tar.gz", "w:gz") as tar:
+        with tarfile.open(archive) as good:
+            for member in good.getmembers():
+                tar.addfile(member, good.extractfile(member))
+        tar.add(tmp_path / "m" / "config.pbtxt", arcname="../../escaped.pbtxt")
+    expect_failure(UnsafeArchive, ExitCode.SOURCE_PERMANENT, r"evil.tar.gz: member '../../escaped.pbtxt' is refused",
+                   layout, settings(layout, triton, tmp_path / "evil.tar.gz", model_name))  # fmt: skip
+    assert not list(layout.staging.parent.rglob("escaped.pbtxt"))
+
+
+def test_a_missing_source_is_not_found(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    expect_failure(SourceNotFound, ExitCode.SOURCE_PERMANENT, r"no-such-model: no such file or folder",
+                   layout, settings(layout, triton, tmp_path / "no-such-model", model_name))  # fmt: skip
+
+
+def test_a_model_triton_fails_to_load_is_reported_and_taken_back_out(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    source = write_model(tmp_path / "m", model_py=BROKEN_MODEL)
+    expect_failure(TritonLoadFailed, ExitCode.TRITON_LOAD_FAILED, r"tritonshare-test: this model refuses to load",
+                   layout, settings(layout, triton, source, model_name))  # fmt: skip
+
+
+def test_triton_down_fails_before_downloading(layout: NodeLayout, model_name: str, tmp_path: Path) -> None:
+    down = f"http://127.0.0.1:{free_port()}"
+    conf = LoaderSettings(source=str(write_model(tmp_path / "m")), name=model_name, layout=layout, triton_url=down,
+                          timeout_s=0.5, poll_interval_s=0.1, termination_log=None)  # fmt: skip
+    expect_failure(ReadinessTimeout, ExitCode.READINESS_TIMEOUT, rf"Triton is not reachable .*{down}", layout, conf)
+
+
+def test_a_deadline_before_triton_picks_the_model_up_takes_it_back_out(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
+) -> None:
+    source = write_model(tmp_path / "m")
+    before = node_entries(layout)
+    cleanup.append(model_name)
+    with pytest.raises(ReadinessTimeout, match=rf"{model_name} is not ready 0\.\d s after publishing") as info:
+        run(settings(layout, triton, source, model_name, timeout_s=0.0))
+    assert info.value.exit_code == ExitCode.READINESS_TIMEOUT
+    if "Triton is LOADING it" in str(info.value):  # Triton's poll came within those milliseconds: by design
+        assert node_entries(layout) == before | {f"models/{model_name}"}
+    else:
+        assert node_entries(layout) == before
+
+
+def test_a_deadline_while_triton_is_loading_leaves_the_folder_in_place(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
+) -> None:
+    """REFERENCE §2: removing a folder Triton is loading hangs POLL for every model."""
+    source = write_model(tmp_path / "m", model_py=SLOW_INIT_MODEL)
+    before = node_entries(layout)
+    cleanup.append(model_name)
+    with pytest.raises(ReadinessTimeout, match=r"Triton is still LOADING it .* stays in the repository") as info:
+        run(settings(layout, triton, source, model_name, timeout_s=2.5))
+    assert f"tritonshare unload --name {model_name}" in str(info.value)
+    assert node_entries(layout) == before | {f"models/{model_name}"}
+
+
+def test_no_partial_folder_is_ever_visible_while_a_large_model_downloads(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
+) -> None:
+    source = write_model(tmp_path / "big", padding_bytes=300 << 20)
+    # every file at its full size (config.pbtxt gains its name line), plus the record
+    expected = {p.relative_to(source).as_posix(): p.stat().st_size for p in source.rglob("*") if p.is_file()}
+    expected["config.pbtxt"] += len(f'name: "{model_name}"\n')
+    target, client = layout.model_dir(model_name), TritonClient(triton.url)
+    seen: list[str] = []  # what the watcher saw, one word per look
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            listed = bool(client.model_states(model_name))  # first: a folder, once there, stays
+            try:
+                files = {p.relative_to(target).as_posix(): p.stat().st_size for p in target.rglob("*") if p.is_file()}
+            except FileNotFoundError:  # not published (yet)
+                files = {}
+            ours = {k: v for k, v in files.items() if k != RECORD_FILE and "__pycache__" not in k}  # Triton's own
+            if files and (ours != expected or RECORD_FILE not in files):
+                seen.append(f"partial:{sorted(files)}")
+            seen.append("complete" if files else ("listed-without-folder" if listed else "absent"))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    cleanup.append(model_name)
+    watcher.start()
+    try:
+        assert run(settings(layout, triton, source, model_name)) == ExitCode.OK
+    finally:
+        done.set()
+        watcher.join(10)
+    assert not [s for s in seen if s.startswith("partial") or s == "listed-without-folder"], seen[:5]
+    assert seen.count("absent") >= 10 and seen.count("complete") >= 1  # it watched during the download
+    infer_identity(triton, model_name)
