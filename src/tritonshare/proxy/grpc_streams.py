@@ -1,0 +1,82 @@
+"""The streams of one relayed gRPC connection: which ones Triton knows, and their accounting.
+
+A stream is forwarded (Triton sees it: in flight until Triton ends it or either side resets it), answered
+by the proxy itself (Triton never sees it), or reset by the proxy after forwarding (a refused message).
+The relay must not send Triton frames of a stream it never saw — RST_STREAM or WINDOW_UPDATE on an idle
+stream is a connection error (RFC 7540 §5.1) — so it asks :meth:`StreamTable.known_upstream`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tritonshare.proxy.grpc_replies import STATUS_NAMES
+from tritonshare.proxy.policy import GrpcRule
+from tritonshare.proxy.protobuf import MessageInspector, Refusal
+from tritonshare.proxy.state import ProxyState
+
+PROTOCOL = "grpc"
+_RECENT_LIMIT = 256  # ids of streams answered or reset by the proxy, remembered to drop their late frames
+
+
+@dataclass(slots=True)
+class Stream:
+    """A stream forwarded to Triton and not yet finished."""
+
+    rule: GrpcRule
+    started: float
+    inspector: MessageInspector | None  # OWN RPCs: judges each request message
+    headers_sent: bool = False  # Triton has sent response headers on it
+
+
+class StreamTable:
+    def __init__(self, state: ProxyState) -> None:
+        self._state = state
+        self.active: dict[int, Stream] = {}
+        self.reset: dict[int, None] = {}  # forwarded, then reset by the proxy
+        self.local: dict[int, None] = {}  # answered by the proxy
+        self.client_max = 0  # highest stream id the client opened
+        self.upstream_max = 0  # highest stream id forwarded to Triton
+
+    def forward(self, stream_id: int, rule: GrpcRule, inspector: MessageInspector | None) -> None:
+        self.active[stream_id] = Stream(rule, self._state.begin(PROTOCOL), inspector)
+        self.upstream_max = stream_id
+
+    def answer_locally(self, stream_id: int) -> None:
+        _remember(self.local, stream_id)
+
+    def known_upstream(self, stream_id: int) -> bool:
+        """May frames of this stream go to Triton? Not if Triton never saw it (idle, or answered here),
+        nor once the proxy has reset it."""
+        return stream_id <= self.upstream_max and stream_id not in self.local and stream_id not in self.reset
+
+    def finish(self, stream_id: int, code: str) -> bool:
+        """Triton or the client ended a forwarded stream; False if it was not in flight."""
+        stream = self.active.pop(stream_id, None)
+        if stream is None:
+            return False
+        self._state.end(PROTOCOL, stream.rule.route, code, stream.started)
+        return True
+
+    def refuse(self, stream_id: int, refusal: Refusal) -> Stream:
+        """A message of a forwarded stream is refused: the proxy resets it at Triton."""
+        stream = self.active.pop(stream_id)
+        _remember(self.reset, stream_id)
+        self._state.end(PROTOCOL, stream.rule.route, STATUS_NAMES[refusal.status], stream.started)
+        self._state.metrics.refused(PROTOCOL, stream.rule.route, refusal.reason)
+        return stream
+
+    def forget_local(self, stream_id: int) -> bool:
+        """The client reset a stream the proxy answered; True if it was one."""
+        return self.local.pop(stream_id, 0) is None
+
+    def end_all(self, code: str) -> None:
+        streams, self.active = self.active, {}
+        for stream in streams.values():
+            self._state.end(PROTOCOL, stream.rule.route, code, stream.started)
+
+
+def _remember(ids: dict[int, None], stream_id: int) -> None:
+    ids[stream_id] = None
+    if len(ids) > _RECENT_LIMIT:
+        del ids[next(iter(ids))]

@@ -1,0 +1,207 @@
+"""Triton → client half of the gRPC relay: Triton's bytes pass through untouched.
+
+Only the 9-byte frame headers are read (no HPACK): to know where frames start, so that the proxy's own
+frames (refusals, readiness answers, GOAWAY) go in between Triton's; to see a stream end (END_STREAM,
+RST_STREAM) for accounting and draining; and to drop what Triton still sends on a stream the proxy has
+reset — DATA is dropped and its bytes credited back to Triton's window, a header block is dropped unless
+it changes the client's decoder table (then it is passed on: a client decodes header blocks of closed
+streams to keep its table in step, RFC 7540 §4.3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol, cast
+
+from tritonshare.proxy import http2
+from tritonshare.proxy.hpack_codec import changes_table
+
+logger = logging.getLogger(__name__)
+
+_PASS, _DROP, _HOLD = range(3)
+
+
+class StreamOwner(Protocol):
+    """The client side of the relay, told about Triton's side of each stream."""
+
+    reset_streams: dict[int, None]  # streams the proxy has reset (refused after forwarding)
+
+    @property
+    def goaway_last(self) -> int | None: ...  # last stream id of the proxy's own GOAWAY, if sent
+
+    def response_headers(self, stream_id: int, end_stream: bool) -> None: ...
+
+    def response_ended(self, stream_id: int, code: str) -> None: ...
+
+    def upstream_lost(self, exc: Exception | None) -> None: ...
+
+    def upstream_paused(self, paused: bool) -> None: ...
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """The connection to Triton that serves exactly one client connection."""
+
+    def __init__(self, owner: StreamOwner, client: asyncio.Transport) -> None:
+        self._owner = owner
+        self._client = client
+        self.transport: asyncio.Transport | None = None
+        self._left = 0  # payload bytes of the current frame not yet received
+        self._mode = _PASS  # what to do with those bytes
+        self._head = b""  # a frame header split across reads
+        self._held = bytearray()  # a frame being collected whole (_HOLD)
+        self._block: list[bytes] = []  # frames of a held header block awaiting END_HEADERS
+        self._queued: list[bytes] = []  # the proxy's frames waiting for the end of the current frame
+        self._in_block = False  # between a HEADERS frame and the frame that ends its header block
+
+    # ---------------------------------------------------------------------------------- asyncio
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._owner.upstream_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._owner.upstream_paused(True)
+
+    def resume_writing(self) -> None:
+        self._owner.upstream_paused(False)
+
+    # ---------------------------------------------------------------------------------- writing
+
+    def send(self, frames: bytes) -> None:
+        """Write whole frames to Triton (the client side forwards whole frames only)."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(frames)
+
+    def inject(self, frames: bytes) -> None:
+        """Write the proxy's own frames to the client at the next frame boundary of Triton's stream
+        (never inside a frame, nor between a HEADERS frame and its CONTINUATIONs)."""
+        if (self._left and self._mode == _PASS) or self._in_block:
+            self._queued.append(frames)
+        elif not self._client.is_closing():
+            self._client.write(frames)
+
+    # ---------------------------------------------------------------------------------- reading
+
+    def data_received(self, data: bytes) -> None:
+        if self._head:
+            data, self._head = self._head + data, b""
+        end = len(data)
+        chunks: list[bytes | memoryview] = []
+        pos = run = self._continue_frame(data, chunks)
+        if self._mode == _PASS:
+            run = 0
+        while pos < end:
+            if self._queued and not self._in_block:
+                run = self._flush_queued(data, run, pos, chunks)
+            if end - pos < http2.HEADER_SIZE:
+                self._head = data[pos:]
+                end = pos
+                break
+            length, kind, flags, stream_id = http2.parse_header(data, pos)
+            stop = pos + http2.HEADER_SIZE + length
+            if kind == http2.HEADERS or kind == http2.CONTINUATION:
+                self._in_block = not flags & http2.END_HEADERS
+            mode = self._classify(kind, flags, stream_id, length)
+            if mode == _PASS:
+                pos = min(stop, end)
+                self._left, self._mode = stop - pos, _PASS
+                continue
+            if run < pos:
+                chunks.append(memoryview(data)[run:pos])
+            pos = run = self._divert(data, pos, stop, mode, chunks)
+        if self._queued and not self._left and not self._in_block:
+            run = self._flush_queued(data, run, end, chunks)
+        self._write(data, run, end, chunks)
+
+    def _divert(self, data: bytes, pos: int, stop: int, mode: int, chunks: list[bytes | memoryview]) -> int:
+        """Drop or hold the frame at ``pos`` instead of passing it; returns where reading goes on."""
+        if stop <= len(data):
+            if mode == _HOLD:
+                chunks.extend(self._release(data[pos:stop]))
+            return stop
+        self._left, self._mode = stop - len(data), mode
+        if mode == _HOLD:
+            self._held = bytearray(data[pos:])
+        return len(data)
+
+    def _continue_frame(self, data: bytes, chunks: list[bytes | memoryview]) -> int:
+        """Take the rest of a frame begun in an earlier read; returns where it ends in ``data``."""
+        if not self._left:
+            return 0
+        take = min(self._left, len(data))
+        self._left -= take
+        if self._mode == _HOLD:
+            self._held += data[:take]
+            if not self._left:
+                chunks.extend(self._release(bytes(self._held)))
+                self._held = bytearray()
+        return take
+
+    def _flush_queued(self, data: bytes, run: int, pos: int, chunks: list[bytes | memoryview]) -> int:
+        if run < pos:
+            chunks.append(memoryview(data)[run:pos])
+        chunks.extend(self._queued)
+        self._queued.clear()
+        return pos
+
+    def _write(self, data: bytes, run: int, end: int, chunks: list[bytes | memoryview]) -> None:
+        if self._client.is_closing():
+            return
+        if not chunks:
+            if run == 0 and end == len(data):
+                self._client.write(data)
+            elif run < end:
+                self._client.write(memoryview(data)[run:end])
+            return
+        if run < end:
+            chunks.append(memoryview(data)[run:end])
+        self._client.writelines(chunks)
+
+    def _classify(self, kind: int, flags: int, stream_id: int, length: int) -> int:
+        if stream_id and stream_id in self._owner.reset_streams:
+            if kind == http2.DATA:
+                if length:
+                    self.send(http2.window_update(0, length))
+                return _DROP
+            return _HOLD if kind in (http2.HEADERS, http2.CONTINUATION) else _DROP
+        if kind == http2.HEADERS:
+            self._owner.response_headers(stream_id, bool(flags & http2.END_STREAM))
+        elif kind == http2.DATA:
+            if flags & http2.END_STREAM:
+                self._owner.response_ended(stream_id, "ok")
+        elif kind == http2.RST_STREAM:
+            self._owner.response_ended(stream_id, "reset")
+        elif kind == http2.GOAWAY and self._owner.goaway_last is not None:
+            return _HOLD
+        return _PASS
+
+    def _release(self, frame: bytes) -> list[bytes]:
+        """A held frame is complete: what of it (and of frames held before it) goes to the client."""
+        length, kind, flags, _ = http2.parse_header(frame, 0)
+        if kind == http2.GOAWAY:
+            return [self._clamp_goaway(frame)]
+        self._block.append(frame)
+        if not flags & http2.END_HEADERS:
+            return []
+        frames, self._block = self._block, []
+        fragments = [_fragment(f) for f in frames]
+        if changes_table(b"".join(fragments)):
+            return frames
+        return []
+
+    def _clamp_goaway(self, frame: bytes) -> bytes:
+        """Triton's GOAWAY after the proxy's own: its last stream id must not exceed the proxy's (§6.8)."""
+        ours = self._owner.goaway_last or 0
+        payload = frame[http2.HEADER_SIZE :]
+        if len(payload) < 8 or http2.goaway_last_stream(payload) <= ours:
+            return frame
+        return http2.frame(http2.GOAWAY, 0, 0, ours.to_bytes(4, "big") + payload[4:])
+
+
+def _fragment(frame: bytes) -> bytes | memoryview:
+    _, kind, flags, _ = http2.parse_header(frame, 0)
+    payload = memoryview(frame)[http2.HEADER_SIZE :]
+    return http2.header_block_fragment(flags, payload) if kind == http2.HEADERS else payload

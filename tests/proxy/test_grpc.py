@@ -1,0 +1,417 @@
+"""The gRPC front end against real Triton: tritonclient and raw grpcio calls through ``tritonshare proxy``.
+
+Every allowed RPC must behave exactly as it does directly; every refused one must get its status without
+reaching Triton (checked with Triton's own statistics of the other model), and the client's connection
+must stay usable after a refusal (HPACK tables in step).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import suppress
+from pathlib import Path
+from queue import Queue
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.utils import InferenceServerException
+
+from tests.proxy.conftest import ServedModels
+from tests.support.proxy import ProxyProcess
+from tests.support.triton import TritonServer
+from tritonshare.proxy.policy import GRPC_RULES, GRPC_SERVICE, Verdict
+
+pytestmark = pytest.mark.triton
+
+BIG = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+
+@pytest.fixture
+def client(proxy: ProxyProcess) -> Iterator[grpcclient.InferenceServerClient]:
+    c = grpcclient.InferenceServerClient(proxy.grpc_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def direct(triton: TritonServer) -> Iterator[grpcclient.InferenceServerClient]:
+    c = grpcclient.InferenceServerClient(triton.grpc_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def channel(proxy: ProxyProcess) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(proxy.grpc_url) as ch:
+        yield ch
+
+
+def raw_call(ch: grpc.Channel, path: str, request: bytes = b"") -> bytes:
+    """A unary call by path with the request's serialized bytes (no stubs: any method, any bytes)."""
+    return bytes(ch.unary_unary(path)(request, timeout=10))
+
+
+def raw_status(ch: grpc.Channel, path: str, request: bytes = b"") -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        raw_call(ch, path, request)
+    error: grpc.Call = info.value  # type: ignore[assignment]
+    return error.code(), error.details() or ""
+
+
+def identity_input(values: np.ndarray) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput("INPUT0", list(values.shape), "FP32")
+    tensor.set_data_from_numpy(values)
+    return tensor
+
+
+def infer_request(model: str, values: np.ndarray) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name="INPUT0", datatype="FP32", shape=list(values.shape))
+    request.raw_input_contents.append(values.tobytes())
+    return request
+
+
+def inference_count(triton: TritonServer, model: str) -> int:
+    with grpcclient.InferenceServerClient(triton.grpc_url) as c:
+        stats = c.get_inference_statistics(model, as_json=True)
+    return sum(int(s.get("inference_count", 0)) for s in stats.get("model_stats", []))
+
+
+def status_of(call: object) -> str:
+    """The gRPC status name an InferenceServerException carries, e.g. 'StatusCode.NOT_FOUND'."""
+    assert isinstance(call, InferenceServerException)
+    return str(call.status())
+
+
+# ---------------------------------------------------------------------------------------------- allowed
+
+
+def test_server_live_and_metadata_as_directly(
+    client: grpcclient.InferenceServerClient, direct: grpcclient.InferenceServerClient
+) -> None:
+    assert client.is_server_live()
+    assert client.get_server_metadata(as_json=True) == direct.get_server_metadata(as_json=True)
+
+
+def test_server_ready_and_health_check_answer_for_the_own_model(
+    client: grpcclient.InferenceServerClient, channel: grpc.Channel
+) -> None:
+    assert client.is_server_ready()
+    # grpc.health.v1.HealthCheckResponse{status: SERVING (1)}
+    assert raw_call(channel, "/grpc.health.v1.Health/Check") == b"\x08\x01"
+
+
+def test_readiness_is_false_when_the_own_model_is_not_served(
+    start_proxy: object, direct: grpcclient.InferenceServerClient
+) -> None:
+    assert direct.is_server_ready()  # Triton itself is ready...
+    proxy = start_proxy("not-installed-model", "--no-unload")  # type: ignore[operator]
+    with grpcclient.InferenceServerClient(proxy.grpc_url) as c:
+        assert not c.is_server_ready()  # ...but this pod's model is not served
+    with grpc.insecure_channel(proxy.grpc_url) as ch:
+        assert raw_call(ch, "/grpc.health.v1.Health/Check") == b"\x08\x02"  # NOT_SERVING
+
+
+@pytest.mark.parametrize("version", ["", "1"])
+def test_model_rpcs_of_the_own_model_as_directly(
+    client: grpcclient.InferenceServerClient,
+    direct: grpcclient.InferenceServerClient,
+    served_models: ServedModels,
+    version: str,
+) -> None:
+    own = served_models.own
+    assert client.is_model_ready(own, version)
+    assert client.get_model_metadata(own, version, as_json=True) == direct.get_model_metadata(
+        own, version, as_json=True
+    )
+    assert client.get_model_config(own, version, as_json=True) == direct.get_model_config(own, version, as_json=True)
+    stats = client.get_inference_statistics(own, version, as_json=True)
+    assert [s["name"] for s in stats["model_stats"]] == [own]
+
+
+def test_model_infer_returns_what_triton_returns(
+    client: grpcclient.InferenceServerClient, served_models: ServedModels
+) -> None:
+    data = np.arange(16, dtype=np.float32)
+    for _ in range(3):  # several calls on one connection: HPACK indexed references from the 2nd on
+        result = client.infer(served_models.own, [identity_input(data)], request_id="r-1")
+        assert np.array_equal(result.as_numpy("OUTPUT0"), data)
+        assert result.get_response().id == "r-1"
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_infer_is_inspected_and_forwarded(
+    client: grpcclient.InferenceServerClient, served_models: ServedModels, triton: TritonServer, algorithm: str
+) -> None:
+    data = np.linspace(0, 1, 1000, dtype=np.float32)
+    result = client.infer(served_models.own, [identity_input(data)], compression_algorithm=algorithm)
+    assert np.array_equal(result.as_numpy("OUTPUT0"), data)
+    before = inference_count(triton, served_models.other)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer(served_models.other, [identity_input(data)], compression_algorithm=algorithm)
+    assert status_of(info.value) == "StatusCode.NOT_FOUND"
+    assert inference_count(triton, served_models.other) == before
+
+
+@pytest.mark.slow
+def test_infer_of_64_mib_and_more_passes(proxy: ProxyProcess, served_models: ServedModels) -> None:
+    data = np.random.default_rng(7).random((64 << 20) // 4 + 1000, dtype=np.float32)
+    with grpcclient.InferenceServerClient(proxy.grpc_url, channel_args=BIG) as c:
+        result = c.infer(served_models.own, [identity_input(data)], client_timeout=60)
+    assert np.array_equal(result.as_numpy("OUTPUT0"), data)
+
+
+def stream_infer(url: str, model: str, batches: list[tuple[str, np.ndarray]]) -> tuple[list[np.ndarray], str]:
+    """Send each (model, values) message on one ModelStreamInfer stream; outputs and the first error."""
+    results: Queue[object] = Queue()
+    outputs: list[np.ndarray] = []
+    error = ""
+    with grpcclient.InferenceServerClient(url) as c:
+        c.start_stream(callback=lambda result, error: results.put(error if error is not None else result))
+        expected = 0
+        for name, values in batches:
+            c.async_stream_infer(name, [identity_input(values)])
+            expected += len(values) if name == model else 0
+        deadline = time.monotonic() + 20
+        while len(outputs) < expected and not error and time.monotonic() < deadline:
+            item = results.get(timeout=20)
+            if isinstance(item, InferenceServerException):
+                error = status_of(item) + " " + str(item.message())
+            else:
+                outputs.append(item.as_numpy("OUTPUT0"))  # type: ignore[attr-defined]
+        c.stop_stream()
+        while not error and not results.empty():
+            item = results.get()
+            if isinstance(item, InferenceServerException):
+                error = status_of(item) + " " + str(item.message())
+    return outputs, error
+
+
+def test_stream_infer_with_a_decoupled_model_passes_every_response(
+    stream_proxy: ProxyProcess, served_models: ServedModels
+) -> None:
+    first, second = np.array([1, 2, 3], dtype=np.float32), np.array([4, 5], dtype=np.float32)
+    outputs, error = stream_infer(
+        stream_proxy.grpc_url, served_models.stream, [(served_models.stream, first), (served_models.stream, second)]
+    )
+    assert error == ""
+    assert [float(o[0]) for o in outputs] == [1, 2, 3, 4, 5]
+
+
+# ---------------------------------------------------------------------------------------------- refused
+
+
+def test_other_model_is_not_found_in_every_own_rpc(
+    client: grpcclient.InferenceServerClient, served_models: ServedModels, triton: TritonServer
+) -> None:
+    other = served_models.other
+    before = inference_count(triton, other)
+    calls = [
+        lambda: client.is_model_ready(other),
+        lambda: client.get_model_metadata(other),
+        lambda: client.get_model_config(other, "1"),
+        lambda: client.get_inference_statistics(other),
+        lambda: client.infer(other, [identity_input(np.ones(4, dtype=np.float32))]),
+    ]
+    for call in calls:
+        with pytest.raises(InferenceServerException) as info:
+            call()
+        assert status_of(info.value) == "StatusCode.NOT_FOUND"
+        assert f"'{other}' is not found" in str(info.value.message())
+    assert inference_count(triton, other) == before
+    assert client.is_model_ready(served_models.own)  # the same connection still works
+
+
+def test_statistics_of_all_models_is_not_found(client: grpcclient.InferenceServerClient) -> None:
+    with pytest.raises(InferenceServerException) as info:
+        client.get_inference_statistics("")  # an empty name means every model
+    assert status_of(info.value) == "StatusCode.NOT_FOUND"
+
+
+DENIED = sorted(path for path, rule in GRPC_RULES.items() if rule.verdict is Verdict.DENY)
+
+
+def test_every_denied_rpc_is_permission_denied(channel: grpc.Channel) -> None:
+    assert len(DENIED) == 11
+    for path in DENIED:
+        code, details = raw_status(channel, path, pb.RepositoryIndexRequest().SerializeToString())
+        assert (path, code) == (path, grpc.StatusCode.PERMISSION_DENIED)
+        assert "not available to tenants" in details
+
+
+def test_denied_rpcs_through_tritonclient(
+    client: grpcclient.InferenceServerClient, served_models: ServedModels
+) -> None:
+    for call in (
+        client.get_model_repository_index,
+        lambda: client.unload_model(served_models.other),
+        lambda: client.load_model(served_models.other),
+        client.get_system_shared_memory_status,
+        client.unregister_system_shared_memory,
+        lambda: client.register_system_shared_memory("r", "/k", 16),
+        client.get_log_settings,
+        client.get_trace_settings,
+    ):
+        with pytest.raises(InferenceServerException) as info:
+            call()
+        assert status_of(info.value) == "StatusCode.PERMISSION_DENIED"
+    assert client.is_model_ready(served_models.own)
+
+
+@pytest.mark.parametrize("path", [f"/{GRPC_SERVICE}/NoSuchMethod", "/other.Service/Call", "/"])
+def test_unknown_methods_are_unimplemented(channel: grpc.Channel, path: str) -> None:
+    assert raw_status(channel, path)[0] == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_stream_whose_second_message_names_another_model_is_refused(
+    stream_proxy: ProxyProcess, served_models: ServedModels, triton: TritonServer
+) -> None:
+    before = inference_count(triton, served_models.other)
+    outputs, error = stream_infer(
+        stream_proxy.grpc_url,
+        served_models.stream,
+        [(served_models.stream, np.array([1, 2], dtype=np.float32)), (served_models.other, np.ones(2, np.float32))],
+    )
+    assert error.startswith("StatusCode.NOT_FOUND")
+    assert served_models.other in error
+    assert inference_count(triton, served_models.other) == before
+
+
+def test_a_repeated_model_name_is_judged_by_its_last_occurrence(
+    channel: grpc.Channel, served_models: ServedModels, triton: TritonServer
+) -> None:
+    path = f"/{GRPC_SERVICE}/ModelInfer"
+    data = np.arange(4, dtype=np.float32)
+    own_then_other = infer_request(served_models.own, data).SerializeToString() + _name_field(served_models.other)
+    assert pb.ModelInferRequest.FromString(own_then_other).model_name == served_models.other
+    before = inference_count(triton, served_models.other)
+    assert raw_status(channel, path, own_then_other)[0] == grpc.StatusCode.NOT_FOUND
+    assert inference_count(triton, served_models.other) == before
+    # The name after the raw contents (any field order is valid protobuf): judged, and served.
+    request = infer_request(served_models.own, data)
+    request.ClearField("model_name")
+    late = request.SerializeToString() + _name_field(served_models.own)
+    response = pb.ModelInferResponse.FromString(raw_call(channel, path, late))
+    assert response.model_name == served_models.own
+    assert np.frombuffer(response.raw_output_contents[0], dtype=np.float32).tolist() == data.tolist()
+
+
+def _name_field(name: str) -> bytes:
+    return b"\x0a" + bytes([len(name)]) + name.encode()
+
+
+@pytest.mark.parametrize("where", ["input", "output", "request"])
+def test_shared_memory_parameters_are_permission_denied(
+    client: grpcclient.InferenceServerClient, channel: grpc.Channel, served_models: ServedModels, where: str
+) -> None:
+    data = np.ones(4, dtype=np.float32)
+    if where == "input":
+        tensor = grpcclient.InferInput("INPUT0", [4], "FP32")
+        tensor.set_shared_memory("tenant-region", 16)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer(served_models.own, [tensor])
+        assert status_of(info.value) == "StatusCode.PERMISSION_DENIED"
+        return
+    request = infer_request(served_models.own, data)
+    params = request.outputs.add(name="OUTPUT0").parameters if where == "output" else request.parameters
+    params["shared_memory_region"].string_param = "tenant-region"
+    code, _ = raw_status(channel, f"/{GRPC_SERVICE}/ModelInfer", request.SerializeToString())
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_the_connection_stays_usable_after_every_kind_of_refusal(
+    client: grpcclient.InferenceServerClient, served_models: ServedModels
+) -> None:
+    # tritonclient's HPACK encoder indexes each new :path; dropping such a header block must not put
+    # Triton's table out of step with the client's (the proxy re-encodes from then on).
+    data = np.arange(8, dtype=np.float32)
+    refusals = [
+        client.get_model_repository_index,  # DENY: header block dropped
+        lambda: client.get_inference_statistics(served_models.other),  # OWN: reset after forwarding
+        client.get_log_settings,
+        lambda: client.infer(served_models.other, [identity_input(data)]),
+    ]
+    for refuse in refusals * 2:
+        with pytest.raises(InferenceServerException):
+            refuse()
+        assert np.array_equal(client.infer(served_models.own, [identity_input(data)]).as_numpy("OUTPUT0"), data)
+        assert client.is_server_ready()
+        assert client.get_model_metadata(served_models.own, as_json=True)["name"] == served_models.own
+
+
+# ---------------------------------------------------------------------------------------------- Triton down
+
+
+class TcpPipe:
+    """A plain TCP forwarder from a local port to Triton: "Triton comes back" when it starts."""
+
+    def __init__(self, port: int, target: tuple[str, int]) -> None:
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", port))
+        self.threads: list[threading.Thread] = []
+        self._start(self._accept)
+
+    def _start(self, target: Callable[..., None], *args: object) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self.threads.append(thread)
+        thread.start()
+        return thread
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self._start(self._serve, conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, socket.create_connection(self.target) as upstream:
+            pumps = [self._start(_pump, conn, upstream), self._start(_pump, upstream, conn)]
+            for pump in pumps:
+                pump.join()
+
+    def close(self) -> None:
+        with suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() (Linux)
+        self.listener.close()
+        for thread in self.threads:
+            thread.join(timeout=10)
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+        dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        for sock in (src, dst):
+            with suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+def test_triton_down_answers_unavailable_quickly_and_recovers(
+    start_proxy: object, triton: TritonServer, served_models: ServedModels, tmp_path: Path
+) -> None:
+    absent = TritonServer(repository=tmp_path, log_path=tmp_path / "none.log", http_port=triton.http_port)
+    proxy = start_proxy(served_models.own, "--no-unload", server=absent)  # type: ignore[operator]
+    data = np.arange(4, dtype=np.float32)
+    with grpcclient.InferenceServerClient(proxy.grpc_url) as c:
+        started = time.monotonic()
+        with pytest.raises(InferenceServerException) as info:
+            c.infer(served_models.own, [identity_input(data)], client_timeout=10)
+        assert status_of(info.value) == "StatusCode.UNAVAILABLE"
+        assert time.monotonic() - started < 1.0
+    pipe = TcpPipe(absent.grpc_port, ("127.0.0.1", triton.grpc_port))
+    try:
+        with grpcclient.InferenceServerClient(proxy.grpc_url) as c:
+            result = c.infer(served_models.own, [identity_input(data)], client_timeout=10)
+        assert np.array_equal(result.as_numpy("OUTPUT0"), data)
+    finally:
+        pipe.close()
