@@ -350,6 +350,21 @@ def test_cli_reads_options_from_the_environment_and_writes_the_termination_log(
     assert "nodes/status" in (tmp_path / "termination-log").read_text()
 
 
+def test_cli_best_effort_reports_the_failure_but_lets_the_pod_start(
+    api: FakeApiServer, token: Path, tmp_path: Path
+) -> None:
+    api.fail["PATCH"] = (403, "forbidden")
+    log = tmp_path / "termination-log"
+    args = ["--node-name", NODE, "--gpu-memory-mib", "1024", "--kube-api-url", api.url]
+    args += ["--kube-token-path", str(token), "--termination-log", str(log), "--best-effort"]
+
+    result = CliRunner().invoke(advertise, args)
+
+    assert result.exit_code == 0
+    assert log.read_text().startswith(f"not advertised: node {NODE}: PATCH")
+    assert "get and patch on nodes/status" in log.read_text()
+
+
 def test_cli_outside_a_pod_asks_for_the_api_url() -> None:
     result = CliRunner().invoke(
         advertise, ["--node-name", NODE, "--gpu-memory-mib", "1"], env={"KUBERNETES_SERVICE_HOST": None}

@@ -23,9 +23,7 @@ from tests.support.ports import free_port
 from tests.support.triton import TritonServer
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.unload import UnloadSettings, unload_model
-from tritonshare.proxy.triton_metrics import TritonModelMetrics, own_model_series
-
-pytestmark = pytest.mark.triton
+from tritonshare.proxy.triton_metrics import TritonModelMetrics, default_url, own_model_series
 
 
 @dataclass(frozen=True)
@@ -101,6 +99,7 @@ def value(page: bytes, sample: str, model: str) -> float:
     raise AssertionError(f"no {sample}{{model={model!r}}} in:\n{page.decode()}")
 
 
+@pytest.mark.triton
 def test_own_model_series_with_real_counts_and_nothing_of_the_other_tenant(
     triton: TritonServer, tenants: Tenants
 ) -> None:
@@ -122,6 +121,7 @@ def test_own_model_series_with_real_counts_and_nothing_of_the_other_tenant(
     assert everything["tritonshare_proxy_triton_metrics_up"][1][0][2] == 1.0
 
 
+@pytest.mark.triton
 def test_series_keep_triton_s_names_and_types(triton: TritonServer, tenants: Tenants) -> None:
     infer_http(triton, tenants.own, 1)
     direct = urlopen_text(metrics_url(triton))
@@ -140,6 +140,7 @@ def test_series_keep_triton_s_names_and_types(triton: TritonServer, tenants: Ten
     assert own_series(page) == own_series(direct)
 
 
+@pytest.mark.triton
 def test_server_wide_series_are_dropped(triton: TritonServer, tenants: Tenants) -> None:
     direct = urlopen_text(metrics_url(triton))
     server_wide = {
@@ -154,6 +155,7 @@ def test_server_wide_series_are_dropped(triton: TritonServer, tenants: Tenants) 
     assert not any(line.startswith(name) for name in server_wide for line in page.splitlines())
 
 
+@pytest.mark.triton
 def test_cache_answers_scrapes_within_ttl_then_reads_again(triton: TritonServer, tenants: Tenants) -> None:
     now = [100.0]
     metrics = TritonModelMetrics(metrics_url(triton), tenants.own, ttl_s=5.0, clock=lambda: now[0])
@@ -179,6 +181,7 @@ def test_unreachable_triton_gives_up_zero_and_no_series(caplog: pytest.LogCaptur
     assert len(warnings) == 1  # said once, not at every scrape
 
 
+@pytest.mark.triton
 def test_not_a_metrics_page_counts_as_down(triton: TritonServer, tenants: Tenants) -> None:
     # Triton's HTTP port answers /metrics with 400/404: a misconfigured URL must not raise from a scrape.
     page = TritonModelMetrics(f"{triton.url}/metrics", tenants.own, ttl_s=0).exposition().decode()
@@ -238,6 +241,18 @@ def test_page_is_filtered_by_exact_model_label_and_rendered_faithfully() -> None
     )
     reparsed = {f.name: f for f in text_string_to_metric_families(text)}
     assert reparsed["requests"].samples[0].labels["note"] == 'say "hi"\nbye'
+
+
+@pytest.mark.parametrize(
+    ("triton_url", "metrics"),
+    [
+        ("http://tritonshare-triton.tritonshare.svc:8000", "http://tritonshare-triton.tritonshare.svc:8002/metrics"),
+        ("127.0.0.1:8000", "http://127.0.0.1:8002/metrics"),
+        ("http://[fd00::1]:8000", "http://[fd00::1]:8002/metrics"),
+    ],
+)
+def test_default_metrics_url_is_triton_s_host_on_its_metrics_port(triton_url: str, metrics: str) -> None:
+    assert default_url(triton_url) == metrics
 
 
 def urlopen_text(url: str) -> str:

@@ -76,6 +76,12 @@ def run_command(action: Callable[[], int | None], *, termination_log: Path | Non
 @option("--kube-ca-path", type=click.Path(path_type=Path), default=SERVICE_ACCOUNT / "ca.crt")
 @option("--kube-timeout-s", type=click.FloatRange(min=0.1), default=10.0, help="Per-request timeout.")
 @option(
+    "--best-effort",
+    is_flag=True,
+    default=False,
+    help="On failure, log the error and exit 0: as an init container, never keep Triton from starting.",
+)
+@option(
     "--termination-log",
     type=click.Path(path_type=Path),
     default=DEFAULT_PATH,
@@ -91,6 +97,7 @@ def advertise(
     kube_token_path: Path,
     kube_ca_path: Path,
     kube_timeout_s: float,
+    best_effort: bool,
     termination_log: Path,
 ) -> None:
     """Advertise this node's GPU memory (MiB, minus the reserve) as an extended resource in its status.
@@ -112,4 +119,16 @@ def advertise(
         interval_s=interval_s,
         kube=KubeConfig(api_url=api_url, token_path=kube_token_path, ca_path=kube_ca_path, timeout_s=kube_timeout_s),
     )
-    run_command(lambda: run(settings), termination_log=termination_log)
+
+    def action() -> int:
+        try:
+            return run(settings)
+        except TritonshareError as exc:
+            if not best_effort:
+                raise
+            # The node keeps what an earlier run advertised; the reason stays visible in the pod status.
+            logger.error("not advertised, continuing (--best-effort): %s", exc)
+            write_termination_message(f"not advertised: {exc}", termination_log)
+            return ExitCode.OK
+
+    run_command(action, termination_log=termination_log)

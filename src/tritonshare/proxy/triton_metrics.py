@@ -30,11 +30,20 @@ from prometheus_client.samples import Sample
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_URL = "http://127.0.0.1:8002/metrics"
+TRITON_METRICS_PORT = 8002  # tritonserver --metrics-port default
 MAX_PAGE_BYTES = 32 * 1024 * 1024  # Triton's page grows with the number of models; this is far beyond it
 UP = "tritonshare_proxy_triton_metrics_up"
 
 _TYPE_LINE = re.compile(r"^#\s+TYPE\s+(\S+)\s+counter\s*$", re.MULTILINE)
+
+
+def default_url(triton_url: str) -> str:
+    """Triton's metrics page on the host of ``triton_url`` at Triton's default metrics port:
+    ``http://tritonshare-triton.tritonshare.svc:8000`` → ``http://tritonshare-triton.tritonshare.svc:8002/metrics``."""
+    parsed = urllib.parse.urlsplit(triton_url if "://" in triton_url else f"http://{triton_url}")
+    host = parsed.hostname or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{TRITON_METRICS_PORT}/metrics"
 
 
 class ScrapeError(Exception):
