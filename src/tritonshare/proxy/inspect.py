@@ -71,6 +71,18 @@ def _no_shm_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
+def check_plain_body(body: bytes, *, json_length: int | None, max_json_bytes: int) -> None:
+    """Check a whole unencoded body at once (the common case: it arrived with its head)."""
+    if json_length == 0:
+        return
+    part = body if json_length is None else body[:json_length]
+    if len(part) > max_json_bytes:
+        raise BodyRefused(413, _too_large(max_json_bytes), "too_large")
+    if json_length is not None and json_length > len(body):
+        raise _short(json_length, len(body))
+    check_json(part)
+
+
 class InferBodyCheck:
     """Fed the request body's payload (already de-chunked) as it arrives; decides once the JSON part is read.
 
@@ -117,11 +129,7 @@ class InferBodyCheck:
         if self._inflate is not None and not self._inflate.eof:
             raise BodyRefused(400, "the body ends before the end of its compressed stream", "encoding")
         if self._wanted is not None and len(self._json) < self._wanted:
-            raise BodyRefused(
-                400,
-                f"Inference-Header-Content-Length {self._wanted} is more than the body's {len(self._json)} bytes",
-                "bad_request",
-            )
+            raise _short(self._wanted, len(self._json))
         check_json(bytes(self._json))
         self._json = bytearray()
 
@@ -145,6 +153,11 @@ class InferBodyCheck:
         # Triton stops at the end of the first stream; anything after it could be read two ways.
         if extra:
             raise BodyRefused(400, "data follows the end of the compressed body", "encoding")
+
+
+def _short(json_length: int, body_length: int) -> BodyRefused:
+    message = f"Inference-Header-Content-Length {json_length} is more than the body's {body_length} bytes"
+    return BodyRefused(400, message, "bad_request")
 
 
 def _too_large(limit: int) -> str:

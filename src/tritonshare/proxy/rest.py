@@ -37,7 +37,7 @@ from tritonshare.proxy.http1 import (
     parse_request_head,
     upstream_head,
 )
-from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, check_json
+from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, check_plain_body
 from tritonshare.proxy.policy import RestDecision, judge_rest
 from tritonshare.proxy.state import ProxyState
 
@@ -81,12 +81,13 @@ class RestFrontend:
         self.response_heads: dict[bytes, ResponseHead] = {}
         self._heads: dict[bytes, Judged] = {}
         self._server: asyncio.Server | None = None
+        self._port = 0
 
     @property
     def port(self) -> int:
-        if self._server is None or not self._server.sockets:
+        if not self._port:
             raise RuntimeError("the REST front end is not listening; call start() first")
-        return int(self._server.sockets[0].getsockname()[1])
+        return self._port
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -94,6 +95,7 @@ class RestFrontend:
         self._server = await loop.create_server(
             lambda: ClientConnection(self), settings.host, settings.http_port, backlog=1024, reuse_address=True
         )
+        self._port = int(self._server.sockets[0].getsockname()[1])
 
     def stop_accepting(self) -> None:
         if self._server is not None:
@@ -301,9 +303,8 @@ class ClientConnection(asyncio.Protocol):
         """A whole plain body is in ``rest``: check its JSON part, send head and body in one write."""
         size = ex.left
         body = rest if len(rest) == size else rest[:size]
-        json_length = self._json_length(ex, head)
-        if json_length != 0:
-            check_json(body if json_length is None else body[:json_length])
+        limit = self.state.settings.max_json_bytes
+        check_plain_body(body, json_length=self._json_length(ex, head), max_json_bytes=limit)
         ex.left = 0
         if size <= _WHOLE_BODY_BYTES:
             self._begin(ex, ex.judged.upstream + body)
@@ -313,15 +314,11 @@ class ClientConnection(asyncio.Protocol):
         self._request_done(ex)
         return rest[size:] if len(rest) > size else b""
 
-    def _json_length(self, ex: Exchange, head: RequestHead) -> int | None:
-        """Decoded bytes of JSON at the start of the body; None: all of it; 0: none (a raw binary infer)."""
-        if ex.route != "infer":  # generate parses the whole body and ignores the header
-            return None
-        length = head.inference_header_length
-        if length is not None and head.content_length is not None and not head.content_encoding:
-            if length > head.content_length:
-                raise BodyRefused(400, f"Inference-Header-Content-Length {length} exceeds the body", "bad_request")
-        return length
+    @staticmethod
+    def _json_length(ex: Exchange, head: RequestHead) -> int | None:
+        """Decoded bytes of JSON at the start of the body; None: all of it; 0: none (a raw binary infer).
+        Only infer has the binary-tensor extension: generate parses the whole body, whatever the header says."""
+        return head.inference_header_length if ex.route == "infer" else None
 
     def _body_check(self, ex: Exchange, head: RequestHead) -> InferBodyCheck | None:
         json_length = self._json_length(ex, head)

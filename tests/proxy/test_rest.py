@@ -1,0 +1,606 @@
+"""The REST front end against a real Triton holding two models (own and another): every allowed call works as
+it does directly, every refused call of the table is refused with its status, odd spellings included; infer
+bodies with shared-memory parameters are refused; large bodies stream in bounded memory; Triton down → 503
+and recovery; draining; odd and malformed HTTP.
+
+Most tests go through ``tritonshare proxy`` as a subprocess (the ``proxy`` fixture); drain tests run the front
+end in this process (:class:`LocalRest`) to reach its state between two requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import http.client
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+import uvloop
+from tritonclient.utils import InferenceServerException
+
+from tests.proxy.conftest import ServedModels
+from tests.support.install import install_model, wait_model_ready
+from tests.support.models import write_model
+from tests.support.proxy import ProxyProcess
+from tests.support.triton import TritonServer
+from tritonshare.common.layout import NodeLayout
+from tritonshare.proxy.rest import RestFrontend
+from tritonshare.proxy.settings import ProxySettings
+from tritonshare.proxy.state import ProxyState
+
+pytestmark = pytest.mark.triton
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def request(port: int, method: str, path: str, body: bytes | None = None, **headers: str) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path, body=body, headers={k.replace("_", "-"): v for k, v in headers.items()})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+class Raw:
+    """A client socket for requests http.client will not send, reading responses one at a time."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.file = self.sock.makefile("rb")
+
+    def __enter__(self) -> Raw:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+        self.sock.close()
+
+    def send(self, data: bytes) -> Raw:
+        self.sock.sendall(data)
+        return self
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        status_line = self.file.readline()
+        assert status_line, "the proxy closed the connection without a response"
+        status = int(status_line.split()[1])
+        headers: dict[str, str] = {}
+        while (line := self.file.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if status < 200:
+            return status, headers, b""
+        if headers.get("transfer-encoding") == "chunked":
+            return status, headers, self._chunked()
+        return status, headers, self.file.read(int(headers.get("content-length", "0")))
+
+    def _chunked(self) -> bytes:
+        body = b""
+        while size := int(self.file.readline().split(b";")[0], 16):
+            body += self.file.read(size)
+            self.file.readline()
+        self.file.readline()
+        return body
+
+    def closed_by_peer(self) -> bool:
+        try:
+            return self.file.read(1) == b""
+        except ConnectionResetError:
+            return True
+
+
+def infer_body(values: list[float], **extra: Any) -> bytes:
+    doc = {"inputs": [{"name": "INPUT0", "shape": [len(values)], "datatype": "FP32", "data": values}], **extra}
+    return json.dumps(doc).encode()
+
+
+def error_of(body: bytes) -> str:
+    return str(json.loads(body)["error"])
+
+
+@pytest.fixture(scope="module")
+def port(proxy: ProxyProcess) -> int:
+    return proxy.http_port
+
+
+@pytest.fixture(scope="module")
+def own(served_models: ServedModels) -> str:
+    return served_models.own
+
+
+@pytest.fixture
+def client(proxy: ProxyProcess) -> Iterator[httpclient.InferenceServerClient]:
+    c = httpclient.InferenceServerClient(proxy.url, network_timeout=60)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def direct(triton: TritonServer) -> Iterator[httpclient.InferenceServerClient]:
+    c = httpclient.InferenceServerClient(triton.url.removeprefix("http://"), network_timeout=60)
+    yield c
+    c.close()
+
+
+# ---------------------------------------------------------------------------------------------- allowed
+
+
+def test_server_and_model_metadata_are_the_same_as_direct(port: int, triton: TritonServer, own: str) -> None:
+    for path in [
+        "/v2",
+        "/v2/health/live",
+        f"/v2/models/{own}",
+        f"/v2/models/{own}/versions/1",
+        f"/v2/models/{own}/config",
+        f"/v2/models/{own}/versions/1/config",
+        f"/v2/models/{own}/ready",
+        f"/v2/models/{own}/versions/1/ready",
+        f"/v2/models/{own}/stats",
+        f"/v2/models/{own}/versions/1/stats",
+    ]:
+        direct = request(triton.http_port, "GET", path)
+        assert request(port, "GET", path) == direct, path
+        assert direct[0] == 200, path
+
+
+def test_tritonclient_calls_work_through_the_proxy(
+    client: httpclient.InferenceServerClient, direct: httpclient.InferenceServerClient, own: str
+) -> None:
+    assert client.is_server_live() and client.is_server_ready()  # ready = the own model is ready
+    assert client.is_model_ready(own) and client.is_model_ready(own, "1")
+    assert client.get_server_metadata() == direct.get_server_metadata()
+    assert client.get_model_metadata(own, "1") == direct.get_model_metadata(own, "1")
+    assert client.get_model_config(own) == direct.get_model_config(own)
+    stats = client.get_inference_statistics(own, "1")["model_stats"]
+    assert [s["name"] for s in stats] == [own]
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+@pytest.mark.parametrize("compression", [None, "gzip", "deflate"])
+def test_infer_works_json_binary_and_compressed(
+    client: httpclient.InferenceServerClient, own: str, binary: bool, compression: str | None
+) -> None:
+    data = np.arange(1000, dtype=np.float32) / 7
+    inp = httpclient.InferInput("INPUT0", [data.size], "FP32")
+    inp.set_data_from_numpy(data, binary_data=binary)
+    out = httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary)
+    result = client.infer(
+        own,
+        [inp],
+        outputs=[out],
+        request_compression_algorithm=compression,
+        response_compression_algorithm=compression,
+        request_id="shared_memory_region",
+    )
+    assert np.array_equal(result.as_numpy("OUTPUT0"), data)
+    assert result.get_response()["id"] == "shared_memory_region"  # the words as a value are fine
+
+
+def test_keep_alive_connection_serves_many_requests_and_pipelining_keeps_order(port: int, own: str) -> None:
+    one = f"GET /v2/models/{own}/ready HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    body = infer_body([1.5, 2.5])
+    two = f"POST /v2/models/{own}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    three = b"GET /v2/models/other/ready HTTP/1.1\r\nHost: x\r\n\r\n"
+    with Raw(port) as raw:
+        raw.send(one + two + three + one)  # four requests in one write
+        statuses = [raw.response() for _ in range(4)]
+        assert [s for s, _, _ in statuses] == [200, 200, 404, 200]
+        assert json.loads(statuses[1][2])["outputs"][0]["data"] == [1.5, 2.5]
+        for _ in range(50):
+            raw.send(one)
+            assert raw.response()[0] == 200
+
+
+def test_chunked_request_body_and_expect_continue(port: int, own: str) -> None:
+    body = infer_body([3.0, 4.0])
+    head = f"POST /v2/models/{own}/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+    chunked = b"".join(b"%x;note=x\r\n%s\r\n" % (len(p), p) for p in (body[:7], body[7:])) + b"0\r\nX-T: 1\r\n\r\n"
+    with Raw(port) as raw:
+        status, _, answer = raw.send(head + chunked).response()
+        assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [3.0, 4.0]
+        expect = (
+            f"POST /v2/models/{own}/infer HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        assert raw.send(expect).response()[0] == 100  # answered by the proxy before the body is sent
+        status, _, answer = raw.send(body).response()
+        assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [3.0, 4.0]
+
+
+def test_http10_client_gets_its_answer_and_a_close(port: int, own: str) -> None:
+    with Raw(port) as raw:
+        status, headers, body = raw.send(f"GET /v2/models/{own}/ready HTTP/1.0\r\n\r\n".encode()).response()
+        assert status == 200 and headers["connection"] == "close"
+        assert raw.closed_by_peer()
+
+
+SLOW_STREAM_CONFIG = """\
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+"""
+SLOW_STREAM_MODEL = """\
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for r in requests:
+            sender = r.get_response_sender()
+            for v in pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy():
+                time.sleep(0.4)
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", np.array([v], np.float32))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+def test_generate_stream_events_arrive_as_they_are_produced(
+    triton: TritonServer, layout: NodeLayout, start_proxy: Callable[..., ProxyProcess], model_name: str
+) -> None:
+    install_model(layout, triton, model_name, config=SLOW_STREAM_CONFIG, model_py=SLOW_STREAM_MODEL)
+    proxy = start_proxy(model_name, "--no-unload")
+    body = b'{"INPUT0": [1, 2, 3, 4]}'
+    with Raw(proxy.http_port) as raw:
+        raw.send(
+            f"POST /v2/models/{model_name}/generate_stream HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        started = time.monotonic()
+        assert raw.file.readline().startswith(b"HTTP/1.1 200")
+        while raw.file.readline() != b"\r\n":
+            pass
+        arrivals, events = [], []
+        while size := int(raw.file.readline(), 16):
+            events.append(raw.file.read(size))
+            arrivals.append(time.monotonic() - started)
+            raw.file.readline()
+    outputs = [json.loads(e.decode().removeprefix("data: "))["OUTPUT0"] for e in events]
+    assert outputs == [1.0, 2.0, 3.0, 4.0]
+    assert arrivals[0] < arrivals[-1] - 0.8, f"events were held back, not streamed: arrivals {arrivals}"
+
+
+# ---------------------------------------------------------------------------------------------- refused
+
+
+def _refusal_cases(own: str, other: str) -> list[tuple[str, str, int]]:
+    o = other
+    return [
+        ("GET", f"/v2/models/{o}", 404),
+        ("GET", f"/v2/models/{o}/ready", 404),
+        ("GET", f"/v2/models/{o}/versions/1/config", 404),
+        ("GET", f"/v2/models/{o}/stats", 404),
+        ("POST", f"/v2/models/{o}/infer", 404),
+        ("POST", f"/v2/models/{o}/generate_stream", 404),
+        ("POST", f"/v2/models/{o.replace('o', '%6F', 1)}/infer", 404),
+        ("POST", f"/v2/models/{own}%2F..%2F{o}/infer", 404),
+        ("POST", f"/v2/models/{own}/../{o}/infer", 400),
+        ("POST", f"/v2/models/{own}/%2e%2e/{o}/infer", 403),
+        ("POST", f"/v2/models//{o}/infer", 400),
+        ("POST", f"//v2/models/{o}/infer", 400),
+        ("POST", f"/v2/models/{o}/infer/", 403),
+        ("POST", f"/v2/models/{o}/infer?model={own}", 404),
+        ("POST", f"/v2/models/{own.upper()}/infer", 404),
+        ("GET", "/v2/models/stats", 403),
+        ("GET", "/v2/models/stats?model=x", 403),
+        ("POST", "/v2/repository/index", 403),
+        ("POST", f"/v2/repository/models/{own}/load", 403),
+        ("POST", f"/v2/repository/models/{own}/unload", 403),
+        ("GET", "/v2/systemsharedmemory/status", 403),
+        ("POST", "/v2/systemsharedmemory/region/r/register", 403),
+        ("POST", "/v2/systemsharedmemory/unregister", 403),
+        ("GET", "/v2/cudasharedmemory/status", 403),
+        ("POST", "/v2/cudasharedmemory/region/r/register", 403),
+        ("POST", "/v2/cudasharedmemory/unregister", 403),
+        ("GET", "/v2/trace/setting", 403),
+        ("POST", "/v2/trace/setting", 403),
+        ("GET", f"/v2/models/{own}/trace/setting", 403),
+        ("POST", f"/v2/models/{own}/trace/setting", 403),
+        ("GET", "/v2/logging", 403),
+        ("POST", "/v2/logging", 403),
+        ("GET", "/metrics", 403),
+        ("GET", "/", 403),
+        ("DELETE", f"/v2/models/{own}", 405),
+        ("GET", f"/v2/models/{own}/infer", 405),
+        ("POST", f"/v2/models/{own}/versions/one/infer", 400),
+    ]
+
+
+def test_every_refused_call_is_refused_with_its_status(port: int, served_models: ServedModels) -> None:
+    for method, path, status in _refusal_cases(served_models.own, served_models.other):
+        got, body = request(port, method, path, b"{}" if method == "POST" else None)
+        assert (got, method, path) == (status, method, path)
+        assert error_of(body)
+
+
+def test_mixed_case_encoding_of_the_own_name_is_allowed(port: int, own: str) -> None:
+    encoded = "".join(f"%{ord(c):02x}" if i % 2 else c for i, c in enumerate(own))
+    status, body = request(port, "POST", f"/v2/models/{encoded}/infer", infer_body([1.0]))
+    assert status == 200 and json.loads(body)["model_name"] == own
+
+
+def test_other_models_look_the_same_whether_they_exist_or_not(port: int, served_models: ServedModels) -> None:
+    existing = request(port, "GET", f"/v2/models/{served_models.other}/ready")
+    missing = request(port, "GET", "/v2/models/no-such-model-anywhere/ready")
+    assert existing[0] == missing[0] == 404
+    assert error_of(existing[1]).replace(served_models.other, "X") == error_of(missing[1]).replace(
+        "no-such-model-anywhere", "X"
+    )
+
+
+def test_refusals_are_counted_in_metrics(proxy: ProxyProcess, port: int) -> None:
+    request(port, "POST", "/v2/repository/index", b"{}")
+    status, text = request(proxy.metrics_port, "GET", "/metrics")
+    lines = [line for line in text.decode().splitlines() if line.startswith("tritonshare_proxy_refusals_total")]
+    assert status == 200 and any('route="repository"' in line and 'protocol="rest"' in line for line in lines)
+
+
+# ---------------------------------------------------------------------------------------------- shared memory
+
+
+def _shm_json(own: str, where: str, key: str = "shared_memory_region") -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(infer_body([1.0, 2.0]))
+    doc["outputs"] = [{"name": "OUTPUT0", "parameters": {}}]
+    target = {"request": doc, "input": doc["inputs"][0], "output": doc["outputs"][0]}[where]
+    target.setdefault("parameters", {})[key] = "region0"
+    return doc
+
+
+def _assert_shm_refused(status: int, body: bytes) -> None:
+    assert status == 400, body
+    assert "shared-memory parameter" in error_of(body) and "not allowed through this proxy" in error_of(body)
+
+
+@pytest.mark.parametrize("where", ["request", "input", "output"])
+def test_shared_memory_parameters_are_refused(port: int, own: str, where: str) -> None:
+    for key in ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"):
+        _assert_shm_refused(
+            *request(port, "POST", f"/v2/models/{own}/infer", json.dumps(_shm_json(own, where, key)).encode())
+        )
+
+
+def test_shared_memory_parameters_are_refused_however_they_are_sent(port: int, own: str) -> None:
+    path = f"/v2/models/{own}/infer"
+    plain = json.dumps(_shm_json(own, "input")).encode()
+    escaped = plain.replace(b"shared_memory_region", b"shared\\u005fmemory\\u005Fregion")
+    _assert_shm_refused(*request(port, "POST", path, escaped))
+    _assert_shm_refused(*request(port, "POST", path, gzip.compress(plain), Content_Encoding="gzip"))
+    _assert_shm_refused(*request(port, "POST", path, zlib.compress(plain), Content_Encoding="deflate"))
+    binary = plain + np.arange(2, dtype=np.float32).tobytes()
+    _assert_shm_refused(*request(port, "POST", path, binary, Inference_Header_Content_Length=str(len(plain))))
+    generate = request(
+        port, "POST", f"/v2/models/{own}/generate", b'{"INPUT0": [1], "parameters": {"shared_memory_region": "r"}}'
+    )
+    _assert_shm_refused(*generate)
+    with Raw(port) as raw:  # chunked, split inside the key
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        cut = plain.index(b"memory")
+        chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (plain[:cut], plain[cut:])) + b"0\r\n\r\n"
+        status, _, body = raw.send(head + chunks).response()
+        _assert_shm_refused(status, body)
+        assert raw.send(f"GET /v2/models/{own}/ready HTTP/1.1\r\nHost: x\r\n\r\n".encode()).response()[0] == 200
+
+
+def test_a_registered_region_that_works_directly_is_refused_through_the_proxy(
+    port: int, own: str, direct: httpclient.InferenceServerClient
+) -> None:
+    import tritonclient.utils.shared_memory as shm
+
+    key, region = f"/ts-{uuid.uuid4().hex[:8]}", f"region-{uuid.uuid4().hex[:8]}"
+    data = np.arange(4, dtype=np.float32)
+    handle = shm.create_shared_memory_region(region, key, data.nbytes)
+    try:
+        shm.set_shared_memory_region(handle, [data])
+        direct.register_system_shared_memory(region, key, data.nbytes)
+        inp = httpclient.InferInput("INPUT0", [4], "FP32")
+        inp.set_shared_memory(region, data.nbytes)
+        assert np.array_equal(direct.infer(own, [inp]).as_numpy("OUTPUT0"), data)  # Triton would read it
+        with pytest.raises(InferenceServerException) as caught:
+            httpclient.InferenceServerClient(f"127.0.0.1:{port}").infer(own, [inp])
+        assert "not allowed through this proxy" in str(caught.value)
+    finally:
+        direct.unregister_system_shared_memory(region)
+        shm.destroy_shared_memory_region(handle)
+
+
+# ---------------------------------------------------------------------------------------------- malformed
+
+
+@pytest.mark.parametrize(
+    ("raw", "status"),
+    [
+        (b"GET /v2 HTTP/1.1 x\r\n\r\n", 400),
+        (b"GET /v2 HTTP/2.0\r\n\r\n", 400),
+        (b"GET /v2\nHost: x\r\n\r\n", 400),
+        (b"GET /v2 HTTP/1.1\r\nHost: x\r\n folded\r\n\r\n", 400),
+        (b"GET /v2 HTTP/1.1\r\nBad Header: x\r\n\r\n", 400),
+        (b"POST /v2/models/OWN/infer HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}", 400),
+        (b"POST /v2/models/OWN/infer HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400),
+        (b"POST /v2/models/OWN/infer HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n{}", 400),
+        (b"POST /v2/models/OWN/infer HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n", 400),
+        (b"GET /v2 HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+    ],
+)
+def test_malformed_requests_get_an_error_and_a_close(port: int, own: str, raw: bytes, status: int) -> None:
+    with Raw(port) as conn:
+        got, headers, body = conn.send(raw.replace(b"OWN", own.encode())).response()
+        assert got == status and headers["connection"] == "close" and error_of(body)
+        assert conn.closed_by_peer()
+
+
+# ---------------------------------------------------------------------------------------------- large bodies
+
+
+def test_a_64_mib_binary_infer_streams_through_in_bounded_memory(
+    proxy: ProxyProcess, client: httpclient.InferenceServerClient, own: str
+) -> None:
+    data = np.random.default_rng(1).random((64 << 20) // 4 + 1024, dtype=np.float32)
+    inp = httpclient.InferInput("INPUT0", [data.size], "FP32")
+    inp.set_data_from_numpy(data, binary_data=True)
+    before = proxy.rss_kib("VmHWM")
+    result = client.infer(own, [inp], outputs=[httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)])
+    assert np.array_equal(result.as_numpy("OUTPUT0"), data)
+    grown_mib = (proxy.rss_kib("VmHWM") - before) / 1024
+    assert grown_mib < 16, f"the proxy's peak RSS grew by {grown_mib:.1f} MiB for a 64 MiB request and response"
+
+
+def test_json_part_larger_than_the_limit_is_413(start_proxy: Callable[..., ProxyProcess], own: str) -> None:
+    proxy = start_proxy(own, "--no-unload", "--max-json-bytes", "2000")
+    status, body = request(proxy.http_port, "POST", f"/v2/models/{own}/infer", infer_body([1.0] * 1000))
+    assert status == 413 and "max_json_bytes" in error_of(body)
+    assert request(proxy.http_port, "POST", f"/v2/models/{own}/infer", infer_body([1.0]))[0] == 200
+
+
+# ---------------------------------------------------------------------------------------------- Triton down
+
+
+def test_triton_down_gives_503_fast_and_the_proxy_recovers(
+    tmp_path: Path, start_proxy: Callable[..., ProxyProcess], model_name: str
+) -> None:
+    repo = tmp_path / "models"
+    write_model(repo / model_name)
+    server = TritonServer(repository=repo, log_path=tmp_path / "triton.log").start()
+    path, body = f"/v2/models/{model_name}/infer", infer_body([2.0])
+    try:
+        wait_model_ready(server, model_name)
+        proxy = start_proxy(model_name, "--no-unload", server=server)
+        kept = http.client.HTTPConnection("127.0.0.1", proxy.http_port, timeout=30)  # a keep-alive client
+        kept.request("POST", path, body)
+        first = kept.getresponse()
+        assert first.status == 200 and first.read()
+        _crash(server)  # Triton crashes (or restarts)
+        started = time.monotonic()
+        status, answer = request(proxy.http_port, "POST", path, body)
+        assert status == 503 and "unavailable" in error_of(answer)
+        assert time.monotonic() - started < 1.0
+        kept.request("POST", path, body)  # its connection to Triton is gone: a new one is tried
+        assert kept.getresponse().status == 503
+        server = TritonServer(
+            repository=repo,
+            log_path=tmp_path / "triton2.log",
+            http_port=server.http_port,
+            grpc_port=server.grpc_port,
+            metrics_port=server.metrics_port,
+        ).start()
+        wait_model_ready(server, model_name)
+        status, answer = request(proxy.http_port, "POST", path, body)
+        assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [2.0]
+        kept.close()
+    finally:
+        _crash(server)  # a graceful stop takes seconds, and this one is our own
+
+
+def _crash(server: TritonServer) -> None:
+    if server.process is not None and server.process.poll() is None:
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+
+
+# ---------------------------------------------------------------------------------------------- draining
+
+
+class LocalRest:
+    """The REST front end alone, in this process, on a uvloop loop in a thread, to reach its state."""
+
+    def __init__(self, settings: ProxySettings) -> None:
+        self.settings = settings
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def __enter__(self) -> LocalRest:
+        self.thread.start()
+        self.state, self.frontend = self.run(self._start())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.run(self._stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+    async def _start(self) -> tuple[ProxyState, RestFrontend]:
+        state = ProxyState(self.settings)
+        frontend = RestFrontend(state)
+        await frontend.start()
+        return state, frontend
+
+    async def _stop(self) -> None:
+        self.frontend.stop_accepting()
+        self.frontend.abort()
+        await asyncio.sleep(0.1)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        async def wrapper() -> T:
+            return fn()
+
+        return self.run(wrapper())
+
+    @property
+    def port(self) -> int:
+        return self.frontend.port
+
+
+@pytest.fixture
+def local(triton: TritonServer, served_models: ServedModels) -> Iterator[LocalRest]:
+    settings = ProxySettings(name=served_models.own, triton_url=triton.url, host="127.0.0.1", http_port=0)
+    with LocalRest(settings) as local:
+        yield local
+
+
+def test_drain_closes_idle_connections_and_busy_ones_after_their_response(local: LocalRest, own: str) -> None:
+    ready = f"GET /v2/models/{own}/ready HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    body = infer_body([5.0])
+    head = f"POST /v2/models/{own}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    with Raw(local.port) as idle, Raw(local.port) as busy:
+        assert idle.send(ready).response()[0] == 200
+        busy.send(head + body[:5])  # a request in progress when draining begins
+        time.sleep(0.2)
+
+        def drain() -> None:
+            local.state.draining = True
+            local.frontend.stop_accepting()
+            local.frontend.begin_drain()
+
+        local.call(drain)
+        assert idle.closed_by_peer()
+        status, headers, answer = busy.send(body[5:]).response()
+        assert status == 200 and headers["connection"] == "close"
+        assert json.loads(answer)["outputs"][0]["data"] == [5.0]
+        assert busy.closed_by_peer()
+        assert local.call(lambda: local.state.inflight) == 0
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", local.port), timeout=2)
+
+
+def test_new_request_while_draining_gets_503_and_close(local: LocalRest, own: str) -> None:
+    with Raw(local.port) as conn:
+        assert conn.send(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n").response()[0] == 200
+        local.call(lambda: setattr(local.state, "draining", True))
+        status, headers, body = conn.send(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n").response()
+        assert status == 503 and headers["connection"] == "close" and "shutting down" in error_of(body)
+        assert conn.closed_by_peer()
