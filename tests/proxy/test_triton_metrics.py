@@ -6,21 +6,27 @@ from __future__ import annotations
 import importlib.util
 import os
 import py_compile
+import re
+import shutil
+import subprocess
 import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.install import wait_model_ready
 from tests.support.models import write_model
 from tests.support.ports import free_port
-from tests.support.triton import TritonServer
+from tests.support.triton import REPO_ROOT, TritonServer
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.unload import UnloadSettings, unload_model
 from tritonshare.proxy.triton_metrics import TritonModelMetrics, default_url, own_model_series
@@ -258,3 +264,93 @@ def test_default_metrics_url_is_triton_s_host_on_its_metrics_port(triton_url: st
 def urlopen_text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as reply:
         return str(reply.read().decode())
+
+
+# --- what prometheus-adapter makes of the re-exported series (k8s/components/monitoring) ------------------
+
+MONITORING = REPO_ROOT / "k8s" / "components" / "monitoring"
+
+
+def adapter_rule() -> dict[str, Any]:
+    config_map = yaml.safe_load((MONITORING / "prometheus-adapter-rules.yaml").read_text())
+    rules: list[dict[str, Any]] = yaml.safe_load(config_map["data"]["config.yaml"])["rules"]
+    assert len(rules) == 1
+    return rules[0]
+
+
+def adapter_query(namespace: str, pods: list[str]) -> str:
+    """The metricsQuery as prometheus-adapter fills it in for an HPA asking about ``pods``."""
+    matchers = f'namespace="{namespace}",pod=~"{"|".join(pods)}"'
+    query: str = adapter_rule()["metricsQuery"]
+    return query.replace("<<.LabelMatchers>>", matchers).replace("<<.GroupBy>>", "pod")
+
+
+def test_hpa_scales_on_the_metric_the_adapter_rule_defines() -> None:
+    hpa = yaml.safe_load((MONITORING / "autoscaling" / "horizontalpodautoscaler.yaml").read_text())
+    rule = adapter_rule()
+
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == rule["name"]["as"]
+    assert re.fullmatch(rule["name"]["matches"], "nv_inference_queue_duration_us")
+    assert rule["seriesQuery"].startswith("nv_inference_queue_duration_us{")
+
+
+def test_adapter_rule_gives_the_average_queue_time_per_request_of_each_model_pod(tmp_path: Path) -> None:
+    """promtool evaluates the adapter's query on series shaped like the proxies' re-export: per pod, the
+    queue time of the last 30 s divided by the requests of the last 30 s, across a Triton restart."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool not found — scripts/setup.sh installs it (Debian package prometheus)")
+
+    def series(pod: str, metric: str, values: str, *, version: str = "1", namespace: str = "team-a") -> Any:
+        labels = f'namespace="{namespace}",pod="{pod}",model="m",version="{version}"'
+        return {"series": f"{metric}{{{labels}}}", "values": values}
+
+    queue, success = "nv_inference_queue_duration_us", "nv_inference_request_success"
+    suite = {
+        "rule_files": [],
+        "evaluation_interval": "10s",
+        "tests": [
+            {
+                "interval": "10s",
+                "input_series": [
+                    # 10 requests per scrape, 3000 µs of queueing: 300 µs per request.
+                    series("m-1", queue, "0 3000 6000 9000 12000"),
+                    series("m-1", success, "0 10 20 30 40"),
+                    # Two versions served by one pod count together: (3000 + 15000) / (30 + 15) = 400.
+                    series("m-2", queue, "0 1000 2000 3000 4000"),
+                    series("m-2", success, "0 10 20 30 40"),
+                    series("m-2", queue, "0 5000 10000 15000 20000", version="2"),
+                    series("m-2", success, "0 5 10 15 20", version="2"),
+                    # Triton restarted between 20 s and 30 s: the counters start again from zero (a
+                    # difference of first and last sample would be negative here).
+                    series("m-3", queue, "0 3000 6000 300 600"),
+                    series("m-3", success, "0 10 20 1 2"),
+                    # No traffic: 0, not a division by zero.
+                    series("idle", queue, "0 0 0 0 0"),
+                    series("idle", success, "0 0 0 0 0"),
+                    # Same pod name in another namespace: not this HPA's pod.
+                    series("m-1", queue, "0 900000 1800000 2700000 3600000", namespace="team-b"),
+                    series("m-1", success, "0 1 2 3 4", namespace="team-b"),
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": adapter_query("team-a", ["m-1", "m-2", "m-3", "idle"]),
+                        "eval_time": "40s",
+                        "exp_samples": [
+                            {"labels": '{pod="m-1"}', "value": 300},
+                            {"labels": '{pod="m-2"}', "value": 400},
+                            {"labels": '{pod="m-3"}', "value": 300},
+                            {"labels": '{pod="idle"}', "value": 0},
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    (tmp_path / "adapter-test.yaml").write_text(yaml.safe_dump(suite))
+
+    result = subprocess.run(
+        [promtool, "test", "rules", "adapter-test.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+
+    assert result.returncode == 0, result.stdout + result.stderr
