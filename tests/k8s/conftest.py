@@ -1,0 +1,37 @@
+"""Every overlay, and every component on top of both bases, built once per session."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.k8s.kustomize import K8S, Build, build, build_with_components, components, overlays
+
+TRITON_BASE = K8S / "base" / "triton"
+MODEL_BASE = K8S / "base" / "model"
+
+OVERLAYS = [p.name for p in overlays()]
+COMPONENTS = [p.name for p in components()]
+BUILDS = [f"overlays/{n}" for n in OVERLAYS] + [f"components/{n}" for n in COMPONENTS]
+
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Build]:
+    """Overlays as they are; each component on the Triton and model bases together, so a component no
+    overlay uses yet (gc) is built and validated too."""
+
+    def component(comp: Path) -> Build:
+        tmp = tmp_path_factory.mktemp(f"component-{comp.name}")
+        return build_with_components(tmp, [TRITON_BASE, MODEL_BASE], [comp])
+
+    with ThreadPoolExecutor(max_workers=4) as pool:  # kubectl processes; the GIL is not in the way
+        built = {f"overlays/{p.name}": pool.submit(build, p) for p in overlays()}
+        built |= {f"components/{p.name}": pool.submit(component, p) for p in components()}
+        return {name: future.result() for name, future in built.items()}
+
+
+@pytest.fixture(scope="session")
+def overlay_builds(builds: dict[str, Build]) -> dict[str, Build]:
+    return {k.removeprefix("overlays/"): b for k, b in builds.items() if k.startswith("overlays/")}

@@ -1,0 +1,212 @@
+"""The manifests as a platform team receives them: every overlay builds with kustomize 5.7 (kubectl 1.35),
+every object validates against the Kubernetes 1.35 schemas, the kustomize sources follow the conventions
+(one object per base file, current fields only, placeholder images pinned by every overlay), and every
+container of every build is hardened and bounded.
+
+Triton and model-pod semantics are in test_workloads.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.k8s.conftest import BUILDS, OVERLAYS
+from tests.k8s.kustomize import K8S, KUBERNETES_VERSION, Build, Container, containers, name_of, pod_spec
+from tritonshare import __version__ as PROJECT_VERSION
+
+# Images as the bases name them; the overlays pin them with `images:`.
+PLACEHOLDER_IMAGES = {"tritonshare", "tritonserver"}
+TRITONSHARE_IMAGE = re.compile(r"^(?:.+/)?tritonshare(?::|@|$)")
+
+# The one container allowed to run as root, and exactly how (k8s/base/triton/daemonset.yaml says why:
+# the kubelet creates the hostPath folder root-owned and fsGroup does not apply to hostPath, so someone
+# must chown it once for the non-root loader). Anything else running as root fails the suite.
+ROOT_EXCEPTIONS = {("DaemonSet", "node-folder"): {"add": ["CHOWN"], "mounts": ["node-folder"]}}
+
+# Custom resources (no Kubernetes schema to check them against), each with the reason it is here. Anything
+# else without a schema is a typo in apiVersion/kind and fails.
+CUSTOM_RESOURCES = {
+    ("monitoring.coreos.com/v1", "PodMonitor"): "Prometheus Operator; components/monitoring (GPU-memory issue)",
+}
+
+# kustomization fields kustomize 5 deprecates (each has a current replacement), and the current ones.
+DEPRECATED_FIELDS = {
+    "bases", "commonLabels", "patchesStrategicMerge", "patchesJson6902", "vars", "imageTags", "crds",
+}  # fmt: skip
+CURRENT_FIELDS = {
+    "apiVersion", "kind", "resources", "components", "namespace", "namePrefix", "nameSuffix", "labels",
+    "commonAnnotations", "patches", "images", "replicas", "configMapGenerator", "secretGenerator",
+    "generatorOptions", "replacements", "helmCharts", "openapi", "buildMetadata", "sortOptions",
+}  # fmt: skip
+
+
+def kustomization_files() -> list[Path]:
+    return sorted(K8S.rglob("kustomization.yaml"))
+
+
+# --- building and schema validation ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_every_object_validates_against_the_kubernetes_schemas(builds: dict[str, Build], name: str) -> None:
+    built = builds[name]
+    assert built.objects, f"{name} builds to nothing"
+    for obj in built.objects:
+        if (obj["apiVersion"], obj["kind"]) in CUSTOM_RESOURCES:
+            assert obj["metadata"].get("name") and isinstance(obj.get("spec"), dict), name_of(obj)
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.SchemaNotFoundError as exc:  # a CRD or a typo in apiVersion/kind
+            pytest.fail(f"{name}: {name_of(obj)} has no Kubernetes {KUBERNETES_VERSION} schema: {exc.message}")
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{name}: {name_of(obj)} is invalid at {path}: {exc.message}")
+
+
+def test_schema_validation_is_strict(builds: dict[str, Build]) -> None:
+    """A misspelled field must fail validation, or the test above proves nothing."""
+    workload = copy.deepcopy(builds["overlays/gpu"].one("DaemonSet"))
+    pod_spec(workload)["containers"][0]["securityContxt"] = {"runAsNonRoot": True}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(workload, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_kustomize_builds_without_warnings(builds: dict[str, Build], name: str) -> None:
+    assert builds[name].stderr.strip() == "", f"kustomize warned while building {name}"
+
+
+# --- kustomize sources ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", kustomization_files(), ids=lambda p: str(p.relative_to(K8S)))
+def test_kustomizations_use_current_fields_only(path: Path) -> None:
+    doc = yaml.safe_load(path.read_text())
+    used = set(doc)
+    assert not used & DEPRECATED_FIELDS, f"{path}: deprecated kustomize fields {sorted(used & DEPRECATED_FIELDS)}"
+    assert used <= CURRENT_FIELDS, f"{path}: unknown kustomize fields {sorted(used - CURRENT_FIELDS)}"
+    versions = {"Component": "kustomize.config.k8s.io/v1alpha1", "Kustomization": "kustomize.config.k8s.io/v1beta1"}
+    assert versions.get(doc.get("kind")) == doc.get("apiVersion"), f"{path}: apiVersion/kind"
+    if path.parent.parent == K8S / "components":
+        assert doc["kind"] == "Component", f"{path}: k8s/components/* must be kustomize Components"
+    for patch in doc.get("patches", []):
+        assert "path" in patch or "patch" in patch, f"{path}: a patch without content: {patch}"
+
+
+@pytest.mark.parametrize("base", sorted((K8S / "base").iterdir()), ids=lambda p: p.name)
+def test_base_holds_one_object_per_file(base: Path) -> None:
+    kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
+    listed = set(kustomization["resources"])
+    for f in sorted(base.glob("*.yaml")):
+        if f.name == "kustomization.yaml":
+            continue
+        assert f.name in listed, f"{f} is not listed in {base}/kustomization.yaml resources"
+        docs = [d for d in yaml.safe_load_all(f.read_text()) if d]
+        assert len(docs) == 1, f"{f} holds {len(docs)} objects; the base keeps one object per file"
+        assert f.stem == docs[0]["kind"].lower(), f"{f} holds a {docs[0]['kind']}: name the file after it"
+
+
+# --- images ---------------------------------------------------------------------------------------------
+
+
+def _images(objects: list[dict[str, Any]]) -> set[str]:
+    return {c.spec["image"] for o in objects if o["kind"] in ("Deployment", "DaemonSet") for c in containers(o)}
+
+
+@pytest.mark.parametrize("base", sorted((K8S / "base").iterdir()), ids=lambda p: p.name)
+def test_bases_name_placeholder_images(base: Path) -> None:
+    objects = [d for f in base.glob("*.yaml") for d in yaml.safe_load_all(f.read_text()) if d and "kind" in d]
+    images = _images(objects)
+    assert images and images <= PLACEHOLDER_IMAGES, f"{base}: images {images} are not the placeholders"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlays_pin_every_image(overlay_builds: dict[str, Build], overlay: str) -> None:
+    for image in _images(overlay_builds[overlay].objects):
+        assert image not in PLACEHOLDER_IMAGES, f"overlays/{overlay} leaves image {image!r} unpinned"
+        tag = image.rsplit("@", 1)[1] if "@" in image else image.rsplit(":", 1)[-1]
+        assert ("@" in image or ":" in image.rsplit("/", 1)[-1]) and tag != "latest", (
+            f"overlays/{overlay}: image {image!r} is not pinned to a tag or digest"
+        )
+        if TRITONSHARE_IMAGE.match(image) and "@" not in image:
+            assert tag == PROJECT_VERSION, (
+                f"overlays/{overlay}: {image} is not the image of this release ({PROJECT_VERSION})"
+            )
+
+
+def test_all_overlays_pin_the_same_images(overlay_builds: dict[str, Build]) -> None:
+    by_repo: dict[str, set[str]] = {}
+    for b in overlay_builds.values():
+        for image in _images(b.objects):
+            by_repo.setdefault(re.split(r"[:@]", image.rsplit("/", 1)[-1])[0], set()).add(image)
+    assert by_repo.keys() == PLACEHOLDER_IMAGES
+    for repo, pinned in by_repo.items():
+        assert len(pinned) == 1, f"overlays disagree on the {repo} image: {sorted(pinned)}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlays_replace_every_placeholder(overlay_builds: dict[str, Build], overlay: str) -> None:
+    text = yaml.safe_dump_all(overlay_builds[overlay].objects)
+    assert "PLACEHOLDER" not in text, f"overlays/{overlay} leaves a PLACEHOLDER of the base in place"
+
+
+# --- hardened, bounded containers -------------------------------------------------------------------------
+
+
+def _check_hardened(c: Container) -> None:
+    exception = ROOT_EXCEPTIONS.get((c.workload["kind"], c.name))
+    sc = c.spec.get("securityContext", {})
+    assert isinstance(c.effective("runAsUser"), int), f"{c.where}: runAsUser must be numeric"
+    assert sc.get("allowPrivilegeEscalation") is False, f"{c.where}: allowPrivilegeEscalation must be false"
+    assert sc.get("readOnlyRootFilesystem") is True, f"{c.where}: readOnlyRootFilesystem must be true"
+    assert sc.get("privileged", False) is False, f"{c.where}: privileged"
+    assert sc.get("capabilities", {}).get("drop") == ["ALL"], f"{c.where}: capabilities must drop ALL"
+    assert (c.effective("seccompProfile") or {}).get("type") == "RuntimeDefault", f"{c.where}: seccomp"
+    if exception is None:
+        assert c.effective("runAsNonRoot") is True, f"{c.where}: runAsNonRoot must be true"
+        assert c.effective("runAsUser") != 0, f"{c.where}: runs as root"
+        assert "add" not in sc.get("capabilities", {}), f"{c.where}: adds capabilities"
+    else:
+        assert sc["capabilities"].get("add") == exception["add"], f"{c.where}: the root exception grew"
+        assert [m["name"] for m in c.spec.get("volumeMounts", [])] == exception["mounts"], c.where
+        assert c.init, f"{c.where}: the root exception is for a run-once init container only"
+
+
+def _check_bounded(c: Container) -> None:
+    resources = c.spec.get("resources", {})
+    for kind in ("requests", "limits"):
+        missing = {"cpu", "memory"} - set(resources.get(kind, {}))
+        assert not missing, f"{c.where}: resources.{kind} lacks {sorted(missing)}"
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_every_container_is_hardened_and_bounded(builds: dict[str, Build], name: str) -> None:
+    checked = 0
+    for workload in builds[name].workloads():
+        spec = pod_spec(workload)
+        assert spec.get("automountServiceAccountToken") is False, f"{name_of(workload)}: mounts an API token"
+        for flag in ("hostNetwork", "hostPID", "hostIPC"):
+            assert not spec.get(flag, False), f"{name_of(workload)}: {flag}"
+        for c in containers(workload):
+            _check_hardened(c)
+            _check_bounded(c)
+            checked += 1
+    assert checked, f"{name} builds no containers"
+
+
+def test_root_exception_is_the_documented_one(builds: dict[str, Build]) -> None:
+    """The one root container exists, runs as UID 0 and only chowns the node folder to the image's UID."""
+    daemonset = builds["overlays/gpu"].one("DaemonSet")
+    node_folder = next(c for c in containers(daemonset) if c.name == "node-folder")
+    assert node_folder.effective("runAsUser") == 0 and node_folder.effective("runAsNonRoot") is False
+    script = " ".join(node_folder.spec["command"] + node_folder.spec.get("args", []))
+    assert re.search(r"\bchown 65532:65532\b", script), script
+    assert not re.search(r"\bchmod\b|\brm\b|-R\b", script), f"the root init container does more: {script}"

@@ -1,0 +1,409 @@
+"""What the built workloads must mean: Triton in POLL mode over the node folder, reachable only by model pods
+on its own node; each model pod loading then proxying ONE name, from one place, with the CLI reading exactly
+the environment the manifests give it.
+
+Each test walks every build (overlays, and components on their base) that holds the objects it is about.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import click
+import pytest
+
+from tests.k8s.kustomize import (
+    Build,
+    Container,
+    container,
+    containers,
+    environment,
+    host_path_of,
+    mount_for,
+    pod_labels,
+    pod_spec,
+    selector_matches,
+    volume,
+)
+from tests.support.triton import TritonServer, triton_available, triton_venv
+from tritonshare.cli import main as cli
+
+MODEL_LABEL = "tritonshare.io/model"  # the pod label that holds the model NAME
+MODELS_NAMESPACE_LABEL = "tritonshare.io/models"  # what a namespace needs for its model pods to reach Triton
+NODE_ROOT = "/var/lib/tritonshare"
+PLATFORM = "overlays/gpu"  # the Triton half that model-only overlays run against
+
+Obj = dict[str, Any]
+
+
+def tritons(builds: dict[str, Build]) -> Iterator[tuple[str, Obj]]:
+    found = [(n, o) for n, b in builds.items() for o in b.of_kind("DaemonSet") if _component(o) == "triton"]
+    assert found, "no build holds the Triton DaemonSet"
+    yield from found
+
+
+def models(builds: dict[str, Build], overlays_only: bool = False) -> Iterator[tuple[str, Obj]]:
+    found = [
+        (n, o)
+        for n, b in builds.items()
+        if not overlays_only or n.startswith("overlays/")
+        for o in b.of_kind("Deployment")
+        if _component(o) == "model"
+    ]
+    assert found, "no build holds a model Deployment"
+    yield from found
+
+
+def _component(workload: Obj) -> str | None:
+    return pod_labels(workload).get("app.kubernetes.io/component")
+
+
+def flags(args: list[str]) -> dict[str, str]:
+    out = {}
+    for arg in args:
+        assert arg.startswith("--") and "=" in arg, f"Triton argument {arg!r}: write flags as --name=value"
+        key, value = arg[2:].split("=", 1)
+        out[key] = value
+    return out
+
+
+def triton_container(daemonset: Obj) -> Container:
+    return container(daemonset, "triton")
+
+
+def port_number(c: Container, port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    for p in c.spec.get("ports", []):
+        if p["name"] == port:
+            number: int = p["containerPort"]
+            return number
+    raise AssertionError(f"{c.where}: no container port named {port!r}")
+
+
+def cli_params(c: Container, b: Build, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Parse the container's command line and environment with the real click CLI, as the pod would."""
+    env = environment(c, b).values
+    sub, *rest = c.spec["args"]
+    # The pod's containers share one ConfigMap: each variable must be read by one of the pod's commands.
+    pod_commands = [cli, *(cli.commands[other.spec["args"][0]] for other in containers(c.workload))]
+    known = {p.envvar for cmd in pod_commands for p in cmd.params if isinstance(p.envvar, str)}
+    unknown = sorted(k for k in env if k.startswith("TRITONSHARE_") and k not in known)
+    assert not unknown, f"{c.where}: no command of the pod reads {unknown} — a typo or a missing option?"
+    for key in [k for k in os.environ if k.startswith("TRITONSHARE_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    try:
+        group = cli.make_context("tritonshare", [sub])
+        params: dict[str, Any] = cli.commands[sub].make_context(sub, list(rest), parent=group).params
+    except click.ClickException as exc:
+        message = f"{c.where}: tritonshare {sub} rejects its environment: {exc.format_message()}"
+        raise AssertionError(message) from exc
+    return params | group.params
+
+
+# --- Triton ------------------------------------------------------------------------------------------------
+
+
+def test_triton_runs_in_poll_mode_with_tenant_safe_flags(builds: dict[str, Build]) -> None:
+    for name, daemonset in tritons(builds):
+        triton = triton_container(daemonset)
+        assert triton.spec["command"] == ["tritonserver"], f"{name}: {triton.where} command"
+        f = flags(triton.spec["args"])
+        assert f.get("model-control-mode") == "poll", f"{name}: Triton must run in POLL mode"
+        assert 0 < int(f.get("repository-poll-secs", "15")) <= 5, f"{name}: --repository-poll-secs must be short"
+        assert f.get("exit-on-error") == "false", f"{name}: one bad model would stop the server"
+        assert triton.env_value("PYTHONDONTWRITEBYTECODE") == {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"}, (
+            f"{name}: without PYTHONDONTWRITEBYTECODE=1 POLL mode reloads Python models (REFERENCE §1)"
+        )
+
+
+@pytest.mark.triton
+def test_triton_flags_exist_in_the_real_tritonserver(builds: dict[str, Build], tmp_path: Path) -> None:
+    if not triton_available():
+        pytest.fail(f"no Triton venv at {triton_venv()} — run scripts/setup.sh first")
+    cmd, env = TritonServer(repository=tmp_path, log_path=tmp_path / "log").command()
+    proc = subprocess.run([cmd[0], "--help"], env=env, capture_output=True, text=True, timeout=60, check=False)
+    usage = proc.stdout + proc.stderr  # tritonserver prints its usage on stderr
+    supported = set(re.findall(r"^\s+--([a-z0-9-]+)", usage, re.MULTILINE))
+    assert "model-control-mode" in supported, usage[:500]
+    for name, daemonset in tritons(builds):
+        unknown = sorted(set(flags(triton_container(daemonset).spec["args"])) - supported)
+        assert not unknown, f"{name}: tritonserver has no flags {unknown}"
+
+
+def test_triton_probes_ask_live_never_ready(builds: dict[str, Build]) -> None:
+    """Strict readiness is false while ANY model is not ready: one tenant would cut off all (REFERENCE §2)."""
+    for name, daemonset in tritons(builds):
+        triton = triton_container(daemonset)
+        http_port = int(flags(triton.spec["args"])["http-port"])
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            get = triton.spec[probe]["httpGet"]
+            assert get["path"] == "/v2/health/live", f"{name}: {probe} asks {get['path']}"
+            assert port_number(triton, get["port"]) == http_port, f"{name}: {probe} is not on Triton's HTTP port"
+
+
+def test_triton_reads_the_node_folder_and_owns_a_gpu(builds: dict[str, Build]) -> None:
+    for name, daemonset in tritons(builds):
+        triton = triton_container(daemonset)
+        repository = flags(triton.spec["args"])["model-repository"]
+        assert host_path_of(triton, repository) == f"{NODE_ROOT}/models", f"{name}: repository not on the node"
+        mount = mount_for(triton, repository)
+        # Triton runs tenants' code (Python/BLS models): it must not be able to rewrite other models.
+        assert mount is not None and mount.get("readOnly") is True, f"{name}: Triton mounts the folder writable"
+        assert volume(daemonset, mount["name"])["hostPath"]["type"] == "DirectoryOrCreate"
+        limits = triton.spec["resources"]["limits"]
+        gpus = [k for k in limits if k == "nvidia.com/gpu" or k.startswith("nvidia.com/mig-")]
+        assert gpus, f"{name}: Triton requests no GPU: {limits}"
+
+
+def test_gpu_flavours(builds: dict[str, Build]) -> None:
+    limits = {
+        n: triton_container(builds[f"overlays/{n}"].one("DaemonSet")).spec["resources"]["limits"]
+        for n in ("gpu", "mig", "hami")
+    }
+    assert limits["gpu"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in limits["mig"] and limits["mig"]["nvidia.com/mig-1g.5gb"] == 1
+    assert {"nvidia.com/gpu", "nvidia.com/gpumem", "nvidia.com/gpucores"} <= set(limits["hami"])
+
+
+def test_gpu_placement_follows_kserve_node_scheduling(builds: dict[str, Build]) -> None:
+    toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    for name in ("overlays/gpu", "overlays/mig", "overlays/example"):
+        spec = pod_spec(builds[name].one("DaemonSet"))
+        assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}, name
+        assert toleration in spec["tolerations"], name
+    assert pod_spec(builds["overlays/hami"].one("DaemonSet"))["nodeSelector"] == {"gpu": "on"}
+    for name, deployment in models(builds, overlays_only=True):
+        assert toleration in pod_spec(deployment).get("tolerations", []), f"{name}: model pods need the toleration"
+
+
+def test_triton_service_routes_to_the_callers_node_only(builds: dict[str, Build]) -> None:
+    for name, daemonset in tritons(builds):
+        triton, f = triton_container(daemonset), flags(triton_container(daemonset).spec["args"])
+        service = builds[name].get("Service", "tritonshare-triton", daemonset["metadata"].get("namespace"))
+        spec = service["spec"]
+        assert spec["internalTrafficPolicy"] == "Local", f"{name}: model pods must reach their own node's Triton"
+        assert selector_matches({"matchLabels": spec["selector"]}, pod_labels(daemonset))
+        targets = {p["port"]: port_number(triton, p["targetPort"]) for p in spec["ports"]}
+        assert {8000: int(f["http-port"]), 8001: int(f["grpc-port"])}.items() <= targets.items(), name
+        if name.startswith("overlays/"):  # components may open more (monitoring: the metrics port)
+            assert set(targets) == {8000, 8001}, f"{name}: Triton's metrics port reports every tenant"
+
+
+def test_network_policy_admits_only_model_pods(builds: dict[str, Build]) -> None:
+    example = builds["overlays/example"]
+    policy, daemonset = example.one("NetworkPolicy"), example.one("DaemonSet")
+    spec = policy["spec"]
+    assert selector_matches(spec["podSelector"], pod_labels(daemonset)), "the policy must select Triton's pods"
+    assert set(spec["policyTypes"]) == {"Ingress", "Egress"} and spec["egress"] == []
+    allowed_ns = example.get("Namespace", "tritonshare-demo")["metadata"]["labels"]
+    model = pod_labels(next(o for _, o in models({"example": example})))
+
+    def admitted(pod: dict[str, str], namespace: dict[str, str]) -> bool:
+        peers = [peer for rule in spec["ingress"] for peer in rule["from"]]
+        assert all(set(peer) == {"namespaceSelector", "podSelector"} for peer in peers), peers
+        return any(
+            selector_matches(p["namespaceSelector"], namespace) and selector_matches(p["podSelector"], pod)
+            for p in peers
+        )
+
+    assert admitted(model, allowed_ns), "the example's model pods must reach Triton"
+    assert not admitted(model, {"kubernetes.io/metadata.name": "other"}), "a namespace not allowed got in"
+    assert not admitted({"app": "anything"}, allowed_ns), "a pod without the model label got in"
+    assert not admitted(pod_labels(daemonset), allowed_ns)
+    triton = triton_container(daemonset)
+    ports = {port_number(triton, p["port"]) for rule in spec["ingress"] for p in rule["ports"]}
+    assert ports == {8000, 8001}, f"only Triton's HTTP and gRPC ports, not metrics: {ports}"
+
+
+# --- model pods --------------------------------------------------------------------------------------------
+
+
+def test_model_pod_loads_then_proxies_one_name_set_once(builds: dict[str, Build]) -> None:
+    for name, deployment in models(builds):
+        spec = pod_spec(deployment)
+        assert [c["name"] for c in spec["initContainers"]] == ["load"], name
+        assert [c["name"] for c in spec["containers"]] == ["proxy"], name
+        load, proxy = container(deployment, "load"), container(deployment, "proxy")
+        assert load.spec["args"] == ["load"] and proxy.spec["args"] == ["proxy"], name
+        ref = {"fieldRef": {"fieldPath": f"metadata.labels['{MODEL_LABEL}']"}}
+        for c in (load, proxy):
+            assert c.env_value("TRITONSHARE_NAME") == {"name": "TRITONSHARE_NAME", "valueFrom": ref}, c.where
+        assert load.spec["envFrom"] == proxy.spec["envFrom"], f"{name}: loader and proxy read different settings"
+        assert MODEL_LABEL in pod_labels(deployment), name
+
+
+def test_model_environment_is_what_the_cli_reads(builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, deployment in models(builds, overlays_only=True):
+        load = cli_params(container(deployment, "load"), builds[name], monkeypatch)
+        proxy = cli_params(container(deployment, "proxy"), builds[name], monkeypatch)
+        assert load["name"] == proxy["name"] == pod_labels(deployment)[MODEL_LABEL], name
+        assert re.match(r"^(s3|gs|https?)://", load["source"]), f"{name}: source {load['source']!r}"
+        assert load["log_format"] == proxy["log_format"] == "json", f"{name}: pods want JSON logs"
+
+
+def test_loader_proxy_and_triton_share_one_node_folder(
+    builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    triton = triton_container(builds[PLATFORM].one("DaemonSet"))
+    triton_repository = host_path_of(triton, flags(triton.spec["args"])["model-repository"])
+    for name, deployment in models(builds, overlays_only=True):
+        for c in (container(deployment, "load"), container(deployment, "proxy")):
+            params = cli_params(c, builds[name], monkeypatch)
+            repository, staging = str(params["repository"]), str(params["staging"])
+            assert host_path_of(c, repository) == triton_repository, f"{c.where}: not Triton's repository"
+            assert host_path_of(c, staging) == f"{NODE_ROOT}/staging", f"{c.where}: staging {staging}"
+            mount = mount_for(c, repository)
+            # One mount, or the publishing rename(2) from staging into the repository fails with EXDEV.
+            assert mount is not None and mount is mount_for(c, staging), f"{c.where}: staging on another mount"
+            assert not mount.get("readOnly", False), f"{c.where}: must write the node folder"
+        assert volume(deployment, "node-folder")["hostPath"]["type"] == "Directory", name
+
+
+def test_proxy_readiness_is_its_own_model(builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, deployment in models(builds, overlays_only=True):
+        proxy = container(deployment, "proxy")
+        params = cli_params(proxy, builds[name], monkeypatch)
+        get = proxy.spec["readinessProbe"]["httpGet"]
+        assert get["path"] == "/v2/health/ready", name
+        assert port_number(proxy, get["port"]) == params["http_port"], f"{name}: probe not on the proxy's port"
+        assert "livenessProbe" not in proxy.spec, f"{name}: a Triton-dependent liveness restarts every proxy"
+
+
+def test_grace_period_outlasts_the_drain_and_the_unload(
+    builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, deployment in models(builds, overlays_only=True):
+        proxy = container(deployment, "proxy")
+        params = cli_params(proxy, builds[name], monkeypatch)
+        pre_stop = proxy.spec.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        needed = pre_stop + params["drain_timeout_s"] + (params["unload_timeout_s"] if params["unload_on_exit"] else 0)
+        grace = pod_spec(deployment)["terminationGracePeriodSeconds"]
+        assert grace > needed, f"{name}: grace {grace}s ≤ preStop {pre_stop}s + drain + unload = {needed}s"
+
+
+def test_one_replica_of_a_model_per_node_and_models_may_share(builds: dict[str, Build]) -> None:
+    example = list(models({"example": builds["overlays/example"]}))
+    assert len({pod_labels(d)[MODEL_LABEL] for _, d in example}) == 2, "the example shows two models"
+    for name, deployment in models(builds):
+        terms = pod_spec(deployment)["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert len(terms) == 1, name
+        term, labels = terms[0], pod_labels(deployment)
+        assert term["topologyKey"] == "kubernetes.io/hostname" and term["namespaceSelector"] == {}, name
+        assert term["matchLabelKeys"] == [MODEL_LABEL], name
+        selector = term["labelSelector"]
+        in_selector = set(selector.get("matchLabels", {})) | {e["key"] for e in selector.get("matchExpressions", [])}
+        assert MODEL_LABEL not in in_selector, f"{name}: the API refuses a key in matchLabelKeys and labelSelector"
+        resolved = selector | {
+            "matchExpressions": [
+                *selector.get("matchExpressions", []),
+                {"key": MODEL_LABEL, "operator": "In", "values": [labels[MODEL_LABEL]]},
+            ]
+        }
+        assert selector_matches(resolved, labels), f"{name}: a second replica could join the first on a node"
+        for _, other in example:
+            if pod_labels(other)[MODEL_LABEL] != labels[MODEL_LABEL]:
+                assert not selector_matches(resolved, pod_labels(other)), f"{name}: keeps other models away"
+        assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0, f"{name}: surge would deadlock"
+
+
+def test_model_pods_follow_the_triton_pod(builds: dict[str, Build]) -> None:
+    daemonset = builds[PLATFORM].one("DaemonSet")
+    for name, deployment in models(builds):
+        terms = pod_spec(deployment)["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert len(terms) == 1, name
+        assert terms[0]["topologyKey"] == "kubernetes.io/hostname", name
+        assert terms[0]["namespaces"] == [daemonset["metadata"]["namespace"]], name
+        assert selector_matches(terms[0]["labelSelector"], pod_labels(daemonset)), f"{name}: misses Triton"
+        assert not selector_matches(terms[0]["labelSelector"], pod_labels(deployment)), name
+
+
+def test_model_service_exposes_the_proxy_ports(builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, deployment in models(builds, overlays_only=True):
+        meta = deployment["metadata"]
+        service = builds[name].get("Service", meta["name"], meta.get("namespace"))
+        selector, labels = service["spec"]["selector"], pod_labels(deployment)
+        assert selector.get(MODEL_LABEL) == labels[MODEL_LABEL], f"{name}: Service selects other models' pods"
+        assert selector_matches({"matchLabels": selector}, labels), f"{name}: Service misses its pods"
+        proxy = container(deployment, "proxy")
+        params = cli_params(proxy, builds[name], monkeypatch)
+        ports = {p["name"]: (p["port"], port_number(proxy, p["targetPort"])) for p in service["spec"]["ports"]}
+        assert ports == {"http": (9000, params["http_port"]), "grpc": (9001, params["grpc_port"])}, name
+
+
+def test_models_reach_triton_through_its_service(builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch) -> None:
+    platform = builds[PLATFORM]
+    for name, deployment in models(builds, overlays_only=True):
+        for c in (container(deployment, "load"), container(deployment, "proxy")):
+            params = cli_params(c, builds[name], monkeypatch)
+            endpoints = [urlsplit(params["triton_url"])]
+            if "triton_grpc" in params:
+                endpoints.append(urlsplit("//" + params["triton_grpc"]))
+            for url in endpoints:
+                service, namespace, suffix = (url.hostname or "").split(".", 2)
+                assert suffix == "svc", f"{c.where}: {url.geturl()} is not a Service address"
+                ports = [p["port"] for p in platform.get("Service", service, namespace)["spec"]["ports"]]
+                assert url.port in ports, f"{c.where}: {url.geturl()} is not a port of Service {service}"
+
+
+def test_credentials_reach_only_the_loader(builds: dict[str, Build]) -> None:
+    for name, b in builds.items():
+        for workload in b.workloads():
+            for c in containers(workload):
+                if c.name == "load":
+                    continue
+                env = environment(c, b)
+                assert not env.from_secrets, f"{name}: {c.where} reads secrets {sorted(env.from_secrets)}"
+                cloud = sorted(k for k in env.values if re.match(r"^(AWS_|GOOGLE_)", k))
+                assert not cloud, f"{name}: {c.where} gets storage credentials {cloud}"
+                for m in c.spec.get("volumeMounts", []):
+                    assert "secret" not in volume(workload, m["name"]), f"{name}: {c.where} mounts a secret"
+
+
+def test_source_overlays(builds: dict[str, Build]) -> None:
+    def load(overlay: str) -> tuple[Container, Build]:
+        b = builds[f"overlays/{overlay}"]
+        return container(b.one("Deployment"), "load"), b
+
+    s3, b = load("s3")
+    secrets = environment(s3, b).from_secrets
+    assert {k: v.get("optional", False) for k, v in secrets.items()} == {
+        "AWS_ACCESS_KEY_ID": False,
+        "AWS_SECRET_ACCESS_KEY": False,
+        "AWS_ENDPOINT_URL": True,
+        "AWS_REGION": True,
+    }
+    gcs_key, b = load("gcs-key")
+    key_file = gcs_key.env_value("GOOGLE_APPLICATION_CREDENTIALS")["value"]  # type: ignore[index]
+    mount = next(m for m in gcs_key.spec["volumeMounts"] if key_file.startswith(m["mountPath"] + "/"))
+    secret = volume(gcs_key.workload, mount["name"])["secret"]
+    assert mount["readOnly"] and key_file.endswith("/" + secret["items"][0]["path"])
+    assert pod_spec(gcs_key.workload)["securityContext"]["fsGroup"] == gcs_key.effective("runAsUser")
+    gcs, b = load("gcs")
+    assert pod_spec(gcs.workload)["nodeSelector"] == {"iam.gke.io/gke-metadata-server-enabled": "true"}
+    assert not environment(gcs, b).from_secrets and gcs.env_value("GOOGLE_APPLICATION_CREDENTIALS") is None
+    http, b = load("http")
+    assert environment(http, b).values["TRITONSHARE_SOURCE"].startswith("https://")
+    assert not environment(http, b).from_secrets
+
+
+def test_gc_sidecar_waits_for_its_command(builds: dict[str, Build]) -> None:
+    """The gc component is a slot: enabling it before `tritonshare gc` exists would crash-loop Triton pods."""
+    gc = container(builds["components/gc"].one("DaemonSet"), "gc")
+    assert gc.spec["args"][0] == "gc" and gc.mount("node-folder") is not None
+    assert not gc.mount("node-folder").get("readOnly", False), "gc removes folders"  # type: ignore[union-attr]
+    if "gc" not in cli.commands:
+        using = [n for n, b in builds.items() if n.startswith("overlays/") and _has_container(b, "gc")]
+        assert not using, f"{using} enable the gc sidecar, but `tritonshare gc` does not exist yet"
+
+
+def _has_container(b: Build, name: str) -> bool:
+    return any(c.name == name for w in b.workloads() for c in containers(w))
