@@ -7,15 +7,13 @@ Heavy modules are imported inside the commands: the proxy pod should not pay for
 
 from __future__ import annotations
 
-import logging
-import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
 from tritonshare import __version__
+from tritonshare.common.command import F, option, run_command
 from tritonshare.common.errors import ExitCode, TritonshareError
 from tritonshare.common.layout import (
     DEFAULT_REPOSITORY,
@@ -24,20 +22,7 @@ from tritonshare.common.layout import (
     check_model_name,
 )
 from tritonshare.common.logs import configure_logging
-from tritonshare.common.termination import write_termination_message
-
-logger = logging.getLogger("tritonshare")
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
-    """``click.option`` whose environment variable is ``TRITONSHARE_<LONG NAME>``."""
-    long = max((d for d in decls if d.startswith("--")), key=len).split("/")[0]
-    kwargs.setdefault("envvar", "TRITONSHARE_" + long.lstrip("-").replace("-", "_").upper())
-    kwargs.setdefault("show_envvar", True)
-    kwargs.setdefault("show_default", True)
-    return click.option(*decls, **kwargs)
+from tritonshare.node.commands import advertise
 
 
 def _name(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -77,19 +62,6 @@ def common_options(fn: F) -> F:
 def main(log_format: str, log_level: str) -> None:
     """Share one Triton Inference Server per GPU node among many model pods."""
     configure_logging(log_format, log_level)
-
-
-def run_command(action: Callable[[], int | None], *, termination_log: Path | None = None) -> None:
-    """Run a command body, mapping the error tree to exit codes and a termination message."""
-    try:
-        code = action()
-    except TritonshareError as exc:
-        logger.error("%s", exc)
-        write_termination_message(str(exc), termination_log)
-        sys.exit(int(exc.exit_code))
-    except KeyboardInterrupt:
-        sys.exit(130)
-    sys.exit(int(code or ExitCode.OK))
 
 
 @main.command()
@@ -216,22 +188,7 @@ def unload(name: str, repository: Path, staging: Path, triton_url: str, timeout_
     multiple=True,
     help="Header removed from tenant requests (e.g. Triton's --http-restricted-api key). Repeatable.",
 )
-def proxy(
-    name: str,
-    repository: Path,
-    staging: Path,
-    triton_url: str,
-    triton_grpc: str,
-    host: str,
-    http_port: int,
-    grpc_port: int,
-    metrics_port: int,
-    drain_timeout_s: float,
-    unload_on_exit: bool,
-    unload_timeout_s: float,
-    max_json_bytes: int,
-    strip_headers: tuple[str, ...],
-) -> None:
+def proxy(repository: Path, staging: Path, strip_headers: tuple[str, ...], **options: Any) -> None:
     """Serve NAME only: forward its REST and gRPC calls to Triton, refuse everything else.
 
     On SIGTERM: readiness turns false, in-flight requests drain, then the model is unloaded.
@@ -240,22 +197,14 @@ def proxy(
     from tritonshare.proxy.settings import ProxySettings
 
     settings = ProxySettings(
-        name=name,
-        triton_url=triton_url,
-        triton_grpc=triton_grpc,
-        host=host,
-        http_port=http_port,
-        grpc_port=grpc_port,
-        metrics_port=metrics_port,
         layout=NodeLayout(repository=repository, staging=staging),
-        drain_timeout_s=drain_timeout_s,
-        unload_on_exit=unload_on_exit,
-        unload_timeout_s=unload_timeout_s,
-        max_json_bytes=max_json_bytes,
         strip_headers=tuple(h.lower() for h in strip_headers),
+        **options,  # the remaining option names are ProxySettings' field names
     )
     run_command(lambda: run(settings))
 
+
+main.add_command(advertise)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -78,6 +78,9 @@ def write_model(
     text = (f'name: "{name}"\n' if name else "") + config
     (root / "config.pbtxt").write_text(text)
     (root / version / "model.py").write_text(model_py)
+    # What the loader does too: a plain file named __pycache__ keeps the Python backend from writing
+    # bytecode into the model folder, which POLL would see as a change and reload the model.
+    (root / version / "__pycache__").touch()
     if padding_bytes:
         with open(root / version / "weights.bin", "wb") as fh:
             block = bytes(range(256)) * 4096

@@ -2,53 +2,26 @@
 
 The conventions are those of :mod:`tritonshare.cli`: every option is also ``TRITONSHARE_<OPTION>``, options
 become a frozen settings object, errors of the tree become exit codes and a termination message, and the
-command body imports its modules lazily. The two helpers below repeat cli.py's in a few lines because the
-layer contract forbids ``node`` to import ``cli``.
+command body imports its modules lazily (:mod:`tritonshare.common.command`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 import click
 
+from tritonshare.common.command import option, run_command
 from tritonshare.common.errors import ExitCode, TritonshareError
 from tritonshare.common.termination import DEFAULT_PATH, write_termination_message
 
 logger = logging.getLogger("tritonshare")
 
-F = TypeVar("F", bound=Callable[..., Any])
-
 # Same as tritonshare.node.kube.SERVICE_ACCOUNT, not imported from there: kube pulls in http.client and ssl,
 # which every other command would then pay for at start-up.
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-
-
-def option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
-    """``click.option`` whose environment variable is ``TRITONSHARE_<LONG NAME>``."""
-    long = max((d for d in decls if d.startswith("--")), key=len).split("/")[0]
-    kwargs.setdefault("envvar", "TRITONSHARE_" + long.lstrip("-").replace("-", "_").upper())
-    kwargs.setdefault("show_envvar", True)
-    kwargs.setdefault("show_default", True)
-    return click.option(*decls, **kwargs)
-
-
-def run_command(action: Callable[[], int | None], *, termination_log: Path | None = None) -> None:
-    """Run a command body, mapping the error tree to exit codes and a termination message."""
-    try:
-        code = action()
-    except TritonshareError as exc:
-        logger.error("%s", exc)
-        write_termination_message(str(exc), termination_log)
-        sys.exit(int(exc.exit_code))
-    except KeyboardInterrupt:
-        sys.exit(130)
-    sys.exit(int(code or ExitCode.OK))
 
 
 @click.command()

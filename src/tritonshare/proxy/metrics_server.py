@@ -1,5 +1,7 @@
-"""A tiny asyncio HTTP server for ``GET /metrics`` on the metrics port (no thread, no framework).
+"""A tiny asyncio HTTP server for ``GET /metrics`` on the metrics port (no framework).
 
+The page is the proxy's own metrics followed by Triton's series for the own model only
+(:mod:`tritonshare.proxy.triton_metrics`, read off the event loop: it blocks up to its timeout).
 Scrapes are rare, so each connection answers one request and closes.
 """
 
@@ -9,6 +11,7 @@ import asyncio
 import logging
 
 from tritonshare.proxy.metrics import ProxyMetrics
+from tritonshare.proxy.triton_metrics import TritonModelMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -17,8 +20,11 @@ _MAX_HEAD = 16 * 1024
 
 
 class MetricsServer:
-    def __init__(self, metrics: ProxyMetrics, host: str, port: int) -> None:
+    def __init__(
+        self, metrics: ProxyMetrics, host: str, port: int, *, triton_metrics: TritonModelMetrics | None = None
+    ) -> None:
         self._metrics = metrics
+        self._triton = triton_metrics
         self._host = host
         self._port = port
         self._server: asyncio.Server | None = None
@@ -41,19 +47,21 @@ class MetricsServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-            writer.write(self._answer(head[:_MAX_HEAD]))
+            writer.write(await self._answer(head[:_MAX_HEAD]))
             await writer.drain()
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
             pass
         finally:
             writer.close()
 
-    def _answer(self, head: bytes) -> bytes:
+    async def _answer(self, head: bytes) -> bytes:
         method, _, rest = head.partition(b" ")
         target = rest.split(b" ", 1)[0].split(b"?", 1)[0]
         if method not in (b"GET", b"HEAD") or target not in (b"/metrics", b"/metrics/"):
             return _response(b"404 Not Found", b"text/plain", b"not found: try /metrics\n")
         body = self._metrics.exposition()
+        if self._triton is not None:
+            body += await asyncio.to_thread(self._triton.exposition)
         return _response(b"200 OK", _CONTENT_TYPE, b"" if method == b"HEAD" else body, len(body))
 
 

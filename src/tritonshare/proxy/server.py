@@ -24,6 +24,7 @@ from tritonshare.proxy.metrics_server import MetricsServer
 from tritonshare.proxy.rest import RestFrontend
 from tritonshare.proxy.settings import ProxySettings
 from tritonshare.proxy.state import Frontend, ProxyState
+from tritonshare.proxy.triton_metrics import TritonModelMetrics, default_url
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,9 @@ async def serve(
 ) -> int:
     state = ProxyState(settings)
     frontends: list[Frontend] = [RestFrontend(state), GrpcFrontend(state)]
-    metrics = MetricsServer(state.metrics, settings.host, settings.metrics_port)
+    metrics = MetricsServer(
+        state.metrics, settings.host, settings.metrics_port, triton_metrics=_triton_metrics(settings)
+    )
     for frontend in frontends:
         await frontend.start()
     await metrics.start()
@@ -69,6 +72,15 @@ async def serve(
     if settings.unload_on_exit:
         await asyncio.to_thread(_unload, settings)
     return ExitCode.OK
+
+
+def _triton_metrics(settings: ProxySettings) -> TritonModelMetrics | None:
+    url = settings.triton_metrics_url
+    if url is None:
+        url = default_url(settings.triton_url)
+    if not url:
+        return None
+    return TritonModelMetrics(url, settings.name, timeout_s=settings.connect_timeout_s)
 
 
 def _stop_on_signals() -> asyncio.Event:

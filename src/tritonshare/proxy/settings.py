@@ -16,6 +16,7 @@ class ProxySettings:
     http_port: int = 9000
     grpc_port: int = 9001
     metrics_port: int = 9090  # 0 turns the metrics server off
+    triton_metrics_url: str | None = None  # re-exported for NAME only; None = Triton's host, port 8002; "" = off
     layout: NodeLayout = field(default_factory=NodeLayout)
     drain_timeout_s: float = 30.0
     unload_on_exit: bool = True  # after draining, remove the model folder (the unloader)

@@ -1,0 +1,55 @@
+"""The proxy's /metrics: its own request accounting plus Triton's series for the own model only."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import numpy as np
+import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.proxy.conftest import ServedModels
+from tests.support.proxy import ProxyProcess
+from tests.support.triton import TritonServer
+
+
+def _infer(url: str, model: str) -> None:
+    client = httpclient.InferenceServerClient(url)
+    inp = httpclient.InferInput("INPUT0", [4], "FP32")
+    inp.set_data_from_numpy(np.ones(4, dtype=np.float32))
+    client.infer(model, [inp])
+    client.close()
+
+
+def _samples(proxy: ProxyProcess) -> list[tuple[str, dict[str, str], float]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def test_metrics_count_requests_and_refusals_and_reexport_only_the_own_model(
+    proxy: ProxyProcess, served_models: ServedModels, triton: TritonServer
+) -> None:
+    for _ in range(3):
+        _infer(proxy.url, served_models.own)
+        _infer(triton.url.removeprefix("http://"), served_models.other)  # the neighbour's traffic, direct
+    urllib.request.urlopen(f"http://{proxy.url}/v2/health/live").close()
+    try:
+        urllib.request.urlopen(urllib.request.Request(f"http://{proxy.url}/v2/repository/index", method="POST"))
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 403
+
+    samples = _samples(proxy)
+    infer_ok = [
+        v
+        for n, lab, v in samples
+        if n == "tritonshare_proxy_requests_total" and lab["route"] == "infer" and lab["code"] == "200"
+    ]
+    assert infer_ok and infer_ok[0] >= 3
+    assert any(n == "tritonshare_proxy_refusals_total" and lab["route"] == "repository" for n, lab, _ in samples)
+    assert any(n.startswith("tritonshare_proxy_request_duration_seconds") for n, _, _ in samples)
+
+    triton_models = {lab.get("model") for n, lab, _ in samples if n.startswith("nv_")}
+    assert triton_models == {served_models.own}
+    success = [v for n, lab, v in samples if n == "nv_inference_request_success"]
+    assert success and success[0] >= 3
