@@ -7,12 +7,8 @@ must stay usable after a refusal (HPACK tables in step).
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import suppress
-from pathlib import Path
+from collections.abc import Iterator
 from queue import Queue
 
 import grpc
@@ -343,75 +339,3 @@ def test_the_connection_stays_usable_after_every_kind_of_refusal(
         assert np.array_equal(client.infer(served_models.own, [identity_input(data)]).as_numpy("OUTPUT0"), data)
         assert client.is_server_ready()
         assert client.get_model_metadata(served_models.own, as_json=True)["name"] == served_models.own
-
-
-# ---------------------------------------------------------------------------------------------- Triton down
-
-
-class TcpPipe:
-    """A plain TCP forwarder from a local port to Triton: "Triton comes back" when it starts."""
-
-    def __init__(self, port: int, target: tuple[str, int]) -> None:
-        self.target = target
-        self.listener = socket.create_server(("127.0.0.1", port))
-        self.threads: list[threading.Thread] = []
-        self._start(self._accept)
-
-    def _start(self, target: Callable[..., None], *args: object) -> threading.Thread:
-        thread = threading.Thread(target=target, args=args, daemon=True)
-        self.threads.append(thread)
-        thread.start()
-        return thread
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self._start(self._serve, conn)
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn, socket.create_connection(self.target) as upstream:
-            pumps = [self._start(_pump, conn, upstream), self._start(_pump, upstream, conn)]
-            for pump in pumps:
-                pump.join()
-
-    def close(self) -> None:
-        with suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() (Linux)
-        self.listener.close()
-        for thread in self.threads:
-            thread.join(timeout=10)
-
-
-def _pump(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while data := src.recv(65536):
-            dst.sendall(data)
-        dst.shutdown(socket.SHUT_WR)
-    except OSError:
-        for sock in (src, dst):
-            with suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-
-def test_triton_down_answers_unavailable_quickly_and_recovers(
-    start_proxy: object, triton: TritonServer, served_models: ServedModels, tmp_path: Path
-) -> None:
-    absent = TritonServer(repository=tmp_path, log_path=tmp_path / "none.log", http_port=triton.http_port)
-    proxy = start_proxy(served_models.own, "--no-unload", server=absent)  # type: ignore[operator]
-    data = np.arange(4, dtype=np.float32)
-    with grpcclient.InferenceServerClient(proxy.grpc_url) as c:
-        started = time.monotonic()
-        with pytest.raises(InferenceServerException) as info:
-            c.infer(served_models.own, [identity_input(data)], client_timeout=10)
-        assert status_of(info.value) == "StatusCode.UNAVAILABLE"
-        assert time.monotonic() - started < 1.0
-    pipe = TcpPipe(absent.grpc_port, ("127.0.0.1", triton.grpc_port))
-    try:
-        with grpcclient.InferenceServerClient(proxy.grpc_url) as c:
-            result = c.infer(served_models.own, [identity_input(data)], client_timeout=10)
-        assert np.array_equal(result.as_numpy("OUTPUT0"), data)
-    finally:
-        pipe.close()

@@ -117,7 +117,9 @@ class ClientConnection(asyncio.Protocol):
         self._pending_size = 0
         self._unavailable = False  # Triton could not be reached: answer every stream UNAVAILABLE
         self._decoder = HeaderDecoder()
-        self._tail = b""  # an incomplete frame (or preface) at the end of the last read
+        self._partial: list[bytes | memoryview] = []  # pieces of a frame not yet complete
+        self._partial_size = 0
+        self._partial_need = 0  # that frame's full size (0: its 9-byte header is not complete yet)
         self._preface_left = len(http2.PREFACE)
         self._block: list[bytes] = []  # HEADERS + CONTINUATION frames of a header block in progress
         self._streams = StreamTable(state)
@@ -253,7 +255,9 @@ class ClientConnection(asyncio.Protocol):
 
     def _relay(self, data: bytes) -> None:
         try:
-            self._relay_frames(data)
+            pos = self._complete_partial(data) if self._partial else 0
+            if pos >= 0:
+                self._relay_frames(data, pos)
         except (http2.FrameError, HpackError) as exc:
             logger.warning("closing a gRPC client connection: %s", exc)
             code = _COMPRESSION_ERROR if isinstance(exc, HpackError) else http2.PROTOCOL_ERROR
@@ -268,12 +272,31 @@ class ClientConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def _relay_frames(self, data: bytes) -> None:
-        if self._tail:
-            data, self._tail = self._tail + data, b""
-        pos, end = self._skip_preface(data), len(data)
+    def _complete_partial(self, data: bytes) -> int:
+        """Add a read to the incomplete frame; once complete, relay it. Returns where the rest of ``data``
+        starts, or -1 if the frame is still incomplete. Pieces are joined once: a frame may be megabytes."""
+        if not self._partial_need:  # rare: a read ended inside a frame header
+            data = b"".join(self._partial) + data
+            self._partial.clear()
+            self._partial_size = 0
+            self._relay_frames(data, 0)
+            return -1
+        need = self._partial_need - self._partial_size
+        if len(data) < need:
+            self._partial.append(data)
+            self._partial_size += len(data)
+            return -1
+        self._partial.append(memoryview(data)[:need])
+        frame = b"".join(self._partial)
+        self._partial.clear()
+        self._partial_need = self._partial_size = 0
+        self._relay_frames(frame, 0)
+        return need
+
+    def _relay_frames(self, data: bytes, start: int) -> None:
+        pos, end = start + self._skip_preface(data, start), len(data)
         chunks: list[bytes | memoryview] = []
-        run = 0
+        run = start  # bytes from here on are forwarded as they are (the preface included)
         handlers = self._handlers
         while end - pos >= http2.HEADER_SIZE:
             length, kind, flags, stream_id = http2.parse_header(data, pos)
@@ -288,16 +311,19 @@ class ClientConnection(asyncio.Protocol):
                     chunks.append(replacement)
                 run = stop
             pos = stop
-        if pos < end:
-            self._tail = data[pos:]
+        if pos < end:  # keep the incomplete frame (a view: no copy yet)
+            self._partial.append(memoryview(data)[pos:])
+            self._partial_size = end - pos
+            if self._partial_size >= http2.HEADER_SIZE:
+                self._partial_need = http2.HEADER_SIZE + http2.parse_header(data, pos)[0]
         self._send(data, run, pos, chunks)
 
-    def _skip_preface(self, data: bytes) -> int:
+    def _skip_preface(self, data: bytes, pos: int) -> int:
         if not self._preface_left:
             return 0
         offset = len(http2.PREFACE) - self._preface_left
-        take = min(self._preface_left, len(data))
-        if data[:take] != http2.PREFACE[offset : offset + take]:
+        take = min(self._preface_left, len(data) - pos)
+        if data[pos : pos + take] != http2.PREFACE[offset : offset + take]:
             raise http2.FrameError("the client did not start with the HTTP/2 preface (is it a gRPC client?)")
         self._preface_left -= take
         return take
