@@ -9,7 +9,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from tritonshare.common.errors import ExitCode
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import Holder, LeaseStore
 from tritonshare.common.triton import TritonClient
+from tritonshare.common.unload import UnloadSettings, unload_model
 from tritonshare.node.gc import Collector, GcSettings, run
 from tritonshare.node.gc_command import gc
 
@@ -62,8 +64,13 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def prefix() -> str:
-    return f"gc-{uuid.uuid4().hex[:8]}-"
+def prefix(layout: NodeLayout, triton: TritonServer) -> Iterator[str]:
+    """The test's own NAME prefix; what the test leaves in the shared repository goes at teardown (never
+    mid-load: unload waits while Triton says LOADING)."""
+    tag = f"gc-{uuid.uuid4().hex[:8]}-"
+    yield tag
+    for path in layout.repository.glob(f"{tag}*"):
+        unload_model(UnloadSettings(name=path.name, layout=layout, triton_url=triton.url, timeout_s=30))
 
 
 @pytest.fixture
@@ -193,7 +200,7 @@ def test_models_outside_the_managed_patterns_are_never_touched(
     kept, managed = f"{prefix}operator", f"{prefix}tenant"
     install_model(layout, triton, kept)
     install_model(layout, triton, managed)
-    collector = Collector(GcSettings(**{**settings.__dict__, "manage": (f"{prefix}ten*", f"{prefix}x*")}), clock=clock)
+    collector = Collector(replace(settings, manage=(f"{prefix}ten*", f"{prefix}x*")), clock=clock)
     clock.advance(TTL_S + 30)
     assert removed(collector) == [("model", managed)]
     assert model_ready(triton, kept)
