@@ -14,10 +14,12 @@ Each server's ``env()`` is what a client process needs to reach it (``AWS_ENDPOI
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import tarfile
 import threading
@@ -165,6 +167,11 @@ class MotoS3(_S3Base):
         fake._etag = etag.strip('"')
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the parent dies, so a killed test run leaves no server."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG (Linux)
+
+
 def rclone_binary() -> Path:
     for venv in (".venv", ".venv-bench"):
         path = REPO_ROOT / venv / "bin" / "rclone"
@@ -180,23 +187,29 @@ class RcloneS3(_S3Base):
     """``rclone serve s3`` over ``root``: each top-level folder is a bucket. It checks request signatures
     against ``--auth-key``, so a client with other credentials gets 403 SignatureDoesNotMatch/AccessDenied."""
 
-    def __init__(self, root: Path, *, access_key: str = "tritonshare", secret_key: str = "secret-key") -> None:
+    def __init__(
+        self, root: Path, *, access_key: str = "tritonshare", secret_key: str = "secret-key", cache_hashes: bool = False
+    ) -> None:
         self.root = root
+        self.cache_hashes = cache_hashes
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.access_key, self.secret_key = access_key, secret_key
         self._process: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
+        # rclone computes each file's MD5 (its ETag) on every list and GET; with cache_hashes a "hasher"
+        # overlay keeps them, as real S3 does, so a benchmark measures the clients rather than that.
+        served = f":hasher,remote={self.root},hashes=md5,max_age=off:" if self.cache_hashes else str(self.root)
         return [
-            str(rclone_binary()), "serve", "s3", str(self.root), "--addr", f"127.0.0.1:{self.port}",
+            str(rclone_binary()), "serve", "s3", served, "--addr", f"127.0.0.1:{self.port}",
             "--auth-key", f"{self.access_key},{self.secret_key}", "--dir-cache-time", "0s",
-            "--log-level", "ERROR",
+            "--cache-dir", f"{self.root}.rclone-cache", "--log-level", "ERROR",
         ]  # fmt: skip
 
     def start(self) -> RcloneS3:
         self.root.mkdir(parents=True, exist_ok=True)
-        self._process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, start_new_session=True)
+        self._process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         wait_port(self.port)
         return self
 

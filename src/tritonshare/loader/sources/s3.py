@@ -154,6 +154,7 @@ def _new_client(session: Any, read_timeout_s: float, uri: str) -> Any:
         retries={"mode": "standard", "total_max_attempts": 1},
         max_pool_connections=MAX_POOL_CONNECTIONS,
         tcp_keepalive=True,
+        parameter_validation=False,  # our parameters are plain strings; saves ~10% CPU per small object
     )
     try:
         return session.client("s3", config=config)
