@@ -19,6 +19,8 @@ from tritonshare.common.repository import retire
 from tritonshare.common.triton import ModelState, TritonClient
 from tritonshare.loader.install import withdraw
 from tritonshare.loader.readiness import PollWaiter, load_explicitly, look, wait_live, wait_polled
+from tritonshare.loader.run import run
+from tritonshare.loader.settings import LoaderSettings
 
 pytestmark = pytest.mark.triton
 
@@ -181,3 +183,13 @@ def test_explicit_mode_reports_tritons_reason(explicit_triton: tuple[TritonServe
     publish_model(layout, "broken", model_py=BROKEN_MODEL)
     with pytest.raises(TritonLoadFailed, match=r"Triton failed to load broken: .*this model refuses to load"):
         load_explicitly(TritonClient(server.url), "broken", timeout_s=60)
+
+
+def test_run_in_explicit_mode_publishes_then_loads(
+    explicit_triton: tuple[TritonServer, NodeLayout], tmp_path: Path
+) -> None:
+    server, layout = explicit_triton
+    conf = LoaderSettings(source=str(write_model(tmp_path / "m")), name="via-run", layout=layout,
+                          triton_url=server.url, mode="explicit", timeout_s=60, termination_log=None)  # fmt: skip
+    assert run(conf) == ExitCode.OK
+    assert TritonClient(server.url).model_ready("via-run")

@@ -102,8 +102,12 @@ def _fetch_and_install(
         found = existing(settings.layout, record)
         if found is not None:
             when = datetime.fromtimestamp(found.installed_at, timezone.utc).isoformat(timespec="seconds")
-            logger.info("%s already holds %s as installed at %s; reusing it, nothing to download", settings.name,
-                        record.source, when)  # fmt: skip
+            logger.info(
+                "%s already holds %s as installed at %s; reusing it, nothing to download",
+                settings.name,
+                record.source,
+                when,
+            )
             return Installed(settings.layout.model_dir(settings.name), reused=True)
         with timings.phase("space"):
             check_space(settings.layout.staging, listed_bytes(objects), free, record.source)

@@ -1,0 +1,232 @@
+"""``tritonshare load`` as a pod runs it: the console script in a subprocess, real storage servers, the real
+Triton. Each test checks the exit code, the one-line termination message, and that the repository and
+staging hold nothing new after a failure."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from tests.support.models import BROKEN_MODEL, write_model
+from tests.support.ports import free_port
+from tests.support.storage import HttpFileServer, MotoS3, RcloneS3, make_tar
+from tests.support.triton import REPO_ROOT, TritonServer
+from tritonshare.common.errors import ExitCode
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.triton import TritonClient
+from tritonshare.loader.install import withdraw
+from tritonshare.loader.sources import SOURCES
+
+pytestmark = [pytest.mark.triton, pytest.mark.storage]
+
+TRITONSHARE = REPO_ROOT / ".venv" / "bin" / "tritonshare"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: int
+    log: str  # the command's stderr
+    message: str  # the termination-message file, "" when not written
+
+
+def load(layout: NodeLayout, triton_url: str, source: str, name: str, tmp_path: Path, *extra: str,
+         env: dict[str, str] | None = None) -> Outcome:  # fmt: skip
+    termination = tmp_path / f"termination-{name}"
+    cmd = [
+        str(TRITONSHARE), "load", source, "--name", name, "--repository", str(layout.repository),
+        "--staging", str(layout.staging), "--triton-url", triton_url, "--termination-log", str(termination),
+        "--timeout-s", "60", "--retries", "1", *extra,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env or dict(os.environ), capture_output=True, text=True, timeout=110)
+    message = termination.read_text() if termination.exists() else ""
+    return Outcome(proc.returncode, proc.stderr, message)
+
+
+def node_entries(layout: NodeLayout) -> set[str]:
+    return {f"models/{n}" for n in os.listdir(layout.repository)} | {f"staging/{n}" for n in os.listdir(layout.staging)}
+
+
+def infer_identity(triton: TritonServer, name: str) -> None:
+    client = httpclient.InferenceServerClient(triton.url.removeprefix("http://"), network_timeout=30)
+    try:
+        data = np.array([1.5, -2.0, 3.25], dtype=np.float32)
+        tensor = httpclient.InferInput("INPUT0", [3], "FP32")
+        tensor.set_data_from_numpy(data)
+        np.testing.assert_array_equal(client.infer(name, [tensor]).as_numpy("OUTPUT0"), data)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def loaded(layout: NodeLayout, triton: TritonServer) -> Iterator[list[str]]:
+    """Names to take out of the shared Triton after the test."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        withdraw(layout, name, TritonClient(triton.url), timeout_s=60)
+
+
+def failed(outcome: Outcome, code: ExitCode, *fragments: str) -> None:
+    assert outcome.code == code, outcome.log
+    for fragment in fragments:
+        assert fragment in outcome.message, outcome.message
+    assert outcome.message.count("\n") == 1  # one line, as the pod status shows it
+
+
+# ---- the same model from every kind of source ---------------------------------------------------------
+
+
+def _from_s3(request: pytest.FixtureRequest, model: Path) -> str:
+    return str(request.getfixturevalue("s3_server").serve(model, prefix="team/identity"))
+
+
+def _from_gs(request: pytest.FixtureRequest, model: Path) -> str:
+    if "gs" not in SOURCES:
+        pytest.skip("the gs:// source is not registered in this tree yet")
+    return str(request.getfixturevalue("gcs_server").serve(model, prefix="team/identity"))
+
+
+def _from_http_archive(request: pytest.FixtureRequest, model: Path) -> str:
+    archive = make_tar(model, model.parent / "identity.tar.gz", arcname="identity")
+    return str(request.getfixturevalue("http_server").serve(archive))
+
+
+def _from_path(request: pytest.FixtureRequest, model: Path) -> str:
+    return str(model)
+
+
+SOURCE_KINDS = {"s3": _from_s3, "gs": _from_gs, "http-archive": _from_http_archive, "path": _from_path}
+
+
+@pytest.mark.parametrize("kind", list(SOURCE_KINDS))
+def test_the_same_model_loads_from_every_kind_of_source_and_answers(
+    kind: str, request: pytest.FixtureRequest, layout: NodeLayout, triton: TritonServer, model_name: str,
+    tmp_path: Path, loaded: list[str],
+) -> None:  # fmt: skip
+    source = SOURCE_KINDS[kind](request, write_model(tmp_path / "identity"))
+    before = node_entries(layout)
+    loaded.append(model_name)
+    outcome = load(layout, triton.url, source, model_name, tmp_path)
+    assert outcome.code == ExitCode.OK, outcome.log
+    assert outcome.message == ""
+    assert f"{model_name} is ready (installed)" in outcome.log and "phase download took" in outcome.log
+    infer_identity(triton, model_name)
+    assert node_entries(layout) == before | {f"models/{model_name}"}
+
+
+def test_a_restarted_loader_reuses_the_install(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, loaded: list[str]
+) -> None:
+    source = str(write_model(tmp_path / "identity"))
+    loaded.append(model_name)
+    assert load(layout, triton.url, source, model_name, tmp_path).code == ExitCode.OK
+    again = load(layout, triton.url, source, model_name, tmp_path)
+    assert again.code == ExitCode.OK, again.log
+    assert "reusing it, nothing to download" in again.log and "phase download" not in again.log
+
+
+# ---- every exit code from a real condition ------------------------------------------------------------
+
+
+def test_a_missing_object_exits_10(
+    s3_server: MotoS3, layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    served = s3_server.serve(write_model(tmp_path / "identity"), prefix="team/identity")
+    before = node_entries(layout)
+    outcome = load(layout, triton.url, served + "-v2", model_name, tmp_path)
+    failed(outcome, ExitCode.SOURCE_PERMANENT, "s3://models/team/identity-v2", "check the bucket")
+    assert node_entries(layout) == before
+
+
+def test_denied_credentials_exit_10(
+    rclone_s3_server: RcloneS3, layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    uri = rclone_s3_server.place(write_model(tmp_path / "identity"))
+    env = {**os.environ, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+    before = node_entries(layout)
+    outcome = load(layout, triton.url, uri, model_name, tmp_path, env=env)
+    failed(outcome, ExitCode.SOURCE_PERMANENT, uri, "access denied", "credentials")
+    assert node_entries(layout) == before
+
+
+def test_a_folder_that_is_not_a_model_exits_10(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "model.onnx").write_bytes(b"onnx")
+    before = node_entries(layout)
+    outcome = load(layout, triton.url, str(tmp_path / "weights"), model_name, tmp_path)
+    failed(outcome, ExitCode.SOURCE_PERMANENT, "not a Triton model", "found model.onnx")
+    assert node_entries(layout) == before
+
+
+def test_an_archive_with_a_member_climbing_out_exits_10(
+    http_server: HttpFileServer, layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    model = write_model(tmp_path / "identity")
+    archive = make_tar(model, tmp_path / "evil.tgz", arcname="../../identity")
+    before = node_entries(layout)
+    outcome = load(layout, triton.url, http_server.serve(archive), model_name, tmp_path)
+    failed(outcome, ExitCode.SOURCE_PERMANENT, "evil.tgz: member '../../identity/", "is refused")
+    assert node_entries(layout) == before
+    assert not (layout.staging.parent / "identity").exists()
+
+
+def test_a_model_triton_rejects_exits_12_with_tritons_reason(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    source = str(write_model(tmp_path / "broken", model_py=BROKEN_MODEL))
+    before = node_entries(layout)
+    outcome = load(layout, triton.url, source, model_name, tmp_path)
+    failed(outcome, ExitCode.TRITON_LOAD_FAILED, f"Triton failed to load {model_name}",
+           "RuntimeError: tritonshare-test: this model refuses to load")  # fmt: skip
+    assert node_entries(layout) == before
+    assert f"took {model_name} back out of the repository" in outcome.log
+
+
+def test_triton_down_exits_13(layout: NodeLayout, model_name: str, tmp_path: Path) -> None:
+    down = f"http://127.0.0.1:{free_port()}"
+    before = node_entries(layout)
+    outcome = load(layout, down, str(write_model(tmp_path / "identity")), model_name, tmp_path, "--timeout-s", "1")
+    failed(outcome, ExitCode.READINESS_TIMEOUT, "Triton is not reachable after 1.", down, "--triton-url")
+    assert node_entries(layout) == before
+    assert "phase download" not in outcome.log  # nothing was fetched for a Triton that is not there
+
+
+def test_a_tiny_deadline_exits_13(layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path,
+                                  loaded: list[str]) -> None:  # fmt: skip
+    loaded.append(model_name)
+    before = node_entries(layout)
+    outcome = load(layout, triton.url, str(write_model(tmp_path / "identity")), model_name, tmp_path,
+                   "--timeout-s", "0.05")  # fmt: skip
+    failed(outcome, ExitCode.READINESS_TIMEOUT, f"{model_name} is not ready 0.")
+    if "Triton is LOADING it" in outcome.message:  # Triton's poll came within the deadline: it stays, by design
+        assert node_entries(layout) == before | {f"models/{model_name}"}
+    else:
+        assert node_entries(layout) == before
+
+
+def test_a_name_holding_another_model_exits_14_and_the_model_keeps_serving(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, loaded: list[str]
+) -> None:
+    loaded.append(model_name)
+    first = str(write_model(tmp_path / "first"))
+    assert load(layout, triton.url, first, model_name, tmp_path).code == ExitCode.OK
+    before = node_entries(layout)
+    outcome = load(layout, triton.url, str(write_model(tmp_path / "second")), model_name, tmp_path)
+    failed(outcome, ExitCode.INSTALL_CONFLICT, f"installed from {first}", f"tritonshare unload --name {model_name}")
+    assert node_entries(layout) == before
+    infer_identity(triton, model_name)
+
+
+def test_an_invalid_name_is_a_usage_error(layout: NodeLayout, triton: TritonServer, tmp_path: Path) -> None:
+    outcome = load(layout, triton.url, str(tmp_path), "../escape", tmp_path)
+    assert outcome.code == ExitCode.USAGE
+    assert "model name '../escape' is not valid" in outcome.log
