@@ -1,0 +1,489 @@
+"""One relayed gRPC client connection: its frames judged on the way to its own Triton connection.
+
+See :mod:`tritonshare.proxy.grpc` for the design. This side parses every client frame, decodes header
+blocks in order (:class:`HeaderDecoder`, in step with Triton's decoder), judges each new stream's
+``:path`` and each request message, and forwards whole frames — as they came whenever possible, so a read
+usually leaves in one write without a copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol, cast
+
+from tritonshare.proxy import grpc_replies, http2
+from tritonshare.proxy.grpc_streams import PROTOCOL, StreamTable
+from tritonshare.proxy.grpc_upstream import UpstreamConnection
+from tritonshare.proxy.hpack_codec import HeaderBlock, HeaderDecoder, HpackError, encode_plain
+from tritonshare.proxy.policy import (
+    GRPC_PERMISSION_DENIED,
+    GRPC_UNAVAILABLE,
+    GRPC_UNIMPLEMENTED,
+    GrpcRule,
+    Verdict,
+    clip_path,
+    judge_grpc_method,
+)
+from tritonshare.proxy.protobuf import MessageInspector, Refusal
+from tritonshare.proxy.state import ProxyState
+
+logger = logging.getLogger(__name__)
+
+_PENDING_LIMIT = 1 << 20  # client bytes buffered while Triton's connection opens; reading pauses beyond
+_COMPRESSION_ERROR = 0x9
+
+# Opens the connection to Triton for one client connection (a seam: tests pass their own).
+OpenUpstream = Callable[[Callable[[], UpstreamConnection]], Awaitable[UpstreamConnection]]
+
+
+class Host(Protocol):
+    """What a connection needs of the front end that accepted it."""
+
+    connections: set[ClientConnection]
+    draining: bool
+    open_upstream: OpenUpstream
+    upstream_address: str  # for log lines
+
+
+class ClientConnection(asyncio.Protocol):
+    """One client connection: judges its frames and forwards them to its own Triton connection."""
+
+    def __init__(self, host: Host, state: ProxyState) -> None:
+        self._host = host
+        self._state = state
+        self._own = state.own_bytes
+        self._limit = state.settings.max_json_bytes
+        self._strip = frozenset(name.lower().encode() for name in state.settings.strip_headers)
+        self._reencode = bool(self._strip)  # forward re-encoded header blocks instead of the client's bytes
+        self.transport: asyncio.Transport | None = None
+        self._upstream: UpstreamConnection | None = None
+        self._connecting: asyncio.Task[None] | None = None
+        self._pending: list[bytes] | None = []  # client bytes received while Triton's connection opens
+        self._pending_size = 0
+        self._unavailable = False  # Triton could not be reached: answer every stream UNAVAILABLE
+        self._decoder = HeaderDecoder()
+        self._partial: list[bytes | memoryview] = []  # pieces of a frame not yet complete
+        self._partial_size = 0
+        self._partial_need = 0  # that frame's full size (0: its 9-byte header is not complete yet)
+        self._preface_left = len(http2.PREFACE)
+        self._block: list[bytes] = []  # HEADERS + CONTINUATION frames of a header block in progress
+        self._streams = StreamTable(state)
+        self.reset_streams = self._streams.reset  # read by the Triton side for every frame
+        self._window_debt = 0  # DATA bytes the proxy sent the client itself (see module docstring)
+        self._goaway_last: int | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._handlers = (
+            self._on_data,
+            self._on_headers,
+            _forward,
+            self._on_rst_stream,
+            self._on_settings,
+            _forward,
+            self._on_ping,
+            _forward,
+            self._on_window_update,
+            self._on_continuation,
+        )
+
+    # ---------------------------------------------------------------------------------- lifecycle
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        self._host.connections.add(self)
+        self._connecting = asyncio.get_running_loop().create_task(self._connect())
+        if self._host.draining:
+            self.begin_drain()
+
+    async def _connect(self) -> None:
+        client = self.transport
+        assert client is not None
+        try:
+            upstream = await asyncio.wait_for(
+                self._host.open_upstream(lambda: UpstreamConnection(self, client)),
+                self._state.settings.connect_timeout_s,
+            )
+        except (OSError, TimeoutError) as exc:
+            self._state.metrics.upstream_error(PROTOCOL)
+            logger.warning(
+                "Triton gRPC at %s is unreachable (%s): answering UNAVAILABLE",
+                self._host.upstream_address,
+                exc or "connect timeout",
+            )
+            self._become_unavailable()
+        else:
+            if client.is_closing():
+                if upstream.transport is not None:
+                    upstream.transport.close()
+                return
+            self._upstream = upstream
+        pending, self._pending = self._pending or [], None
+        client.resume_reading()
+        for data in pending:
+            self._relay(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._host.connections.discard(self)
+        if self._connecting is not None:
+            self._connecting.cancel()
+        for task in self._tasks:
+            task.cancel()
+        if self._upstream is not None and self._upstream.transport is not None:
+            self._upstream.transport.close()
+        self._streams.end_all("closed")
+
+    def upstream_lost(self, exc: Exception | None) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            if exc is not None or self._streams.active:
+                self._state.metrics.upstream_error(PROTOCOL)
+                logger.warning(
+                    "connection to Triton gRPC lost (%s): closing the client's connection", exc or "closed by Triton"
+                )
+            self.transport.close()
+        self._streams.end_all("closed")
+
+    # Backpressure: a full write buffer on one side pauses reading on the other.
+
+    def pause_writing(self) -> None:
+        _pause_reading(self._upstream.transport if self._upstream else None, True)
+
+    def resume_writing(self) -> None:
+        _pause_reading(self._upstream.transport if self._upstream else None, False)
+
+    def upstream_paused(self, paused: bool) -> None:
+        _pause_reading(self.transport, paused)
+
+    def begin_drain(self) -> None:
+        """GOAWAY: the client opens no new stream here; streams it already opened go on."""
+        if self._goaway_last is not None:
+            return
+        self._goaway_last = self._streams.client_max
+        self._to_client(http2.goaway(self._goaway_last))
+        self._close_if_drained()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+        if self._upstream is not None and self._upstream.transport is not None:
+            self._upstream.transport.abort()
+
+    @property
+    def goaway_last(self) -> int | None:
+        return self._goaway_last
+
+    def _close_if_drained(self) -> None:
+        if self._goaway_last is not None and not self._streams.active and self.transport is not None:
+            asyncio.get_running_loop().call_soon(self.transport.close)
+
+    # ---------------------------------------------------------------------------------- Triton's side
+
+    def response_headers(self, stream_id: int, end_stream: bool) -> None:
+        stream = self._streams.active.get(stream_id)
+        if stream is not None:
+            stream.headers_sent = True
+            if end_stream:
+                self.response_ended(stream_id, "ok")
+
+    def response_ended(self, stream_id: int, code: str) -> None:
+        if self._streams.finish(stream_id, code):
+            self._close_if_drained()
+
+    # ---------------------------------------------------------------------------------- client's side
+
+    def data_received(self, data: bytes) -> None:
+        if self._pending is not None:  # Triton's connection is still opening
+            self._pending.append(data)
+            self._pending_size += len(data)
+            if self._pending_size > _PENDING_LIMIT and self.transport is not None:
+                self.transport.pause_reading()
+            return
+        self._relay(data)
+
+    def _relay(self, data: bytes) -> None:
+        try:
+            pos = self._complete_partial(data) if self._partial else 0
+            if pos >= 0:
+                self._relay_frames(data, pos)
+        except (http2.FrameError, HpackError) as exc:
+            logger.warning("closing a gRPC client connection: %s", exc)
+            code = _COMPRESSION_ERROR if isinstance(exc, HpackError) else http2.PROTOCOL_ERROR
+            self._close_with(http2.goaway(self._streams.client_max, code))
+            return
+        if self._unavailable and self._streams.local:  # every stream so far is answered: go away
+            self._close_with(http2.goaway(self._streams.client_max))
+
+    def _close_with(self, frames: bytes) -> None:
+        """Send the client these last frames, then close (pending writes are flushed first)."""
+        self._to_client(frames)
+        if self.transport is not None:
+            self.transport.close()
+
+    def _complete_partial(self, data: bytes) -> int:
+        """Add a read to the incomplete frame; once complete, relay it. Returns where the rest of ``data``
+        starts, or -1 if the frame is still incomplete. Pieces are joined once: a frame may be megabytes."""
+        if not self._partial_need:  # rare: a read ended inside a frame header
+            data = b"".join(self._partial) + data
+            self._partial.clear()
+            self._partial_size = 0
+            self._relay_frames(data, 0)
+            return -1
+        need = self._partial_need - self._partial_size
+        if len(data) < need:
+            self._partial.append(data)
+            self._partial_size += len(data)
+            return -1
+        self._partial.append(memoryview(data)[:need])
+        frame = b"".join(self._partial)
+        self._partial.clear()
+        self._partial_need = self._partial_size = 0
+        self._relay_frames(frame, 0)
+        return need
+
+    def _relay_frames(self, data: bytes, start: int) -> None:
+        pos, end = start + self._skip_preface(data, start), len(data)
+        chunks: list[bytes | memoryview] = []
+        run = start  # bytes from here on are forwarded as they are (the preface included)
+        handlers = self._handlers
+        while end - pos >= http2.HEADER_SIZE:
+            length, kind, flags, stream_id = http2.parse_header(data, pos)
+            stop = pos + http2.HEADER_SIZE + length
+            if stop > end:
+                break
+            replacement = handlers[kind](data, pos, stop, flags, stream_id) if kind < 10 else None
+            if replacement is not None:
+                if run < pos:
+                    chunks.append(memoryview(data)[run:pos])
+                if replacement:
+                    chunks.append(replacement)
+                run = stop
+            pos = stop
+        if pos < end:  # keep the incomplete frame (a view: no copy yet)
+            self._partial.append(memoryview(data)[pos:])
+            self._partial_size = end - pos
+            if self._partial_size >= http2.HEADER_SIZE:
+                self._partial_need = http2.HEADER_SIZE + http2.parse_header(data, pos)[0]
+        self._send(data, run, pos, chunks)
+
+    def _skip_preface(self, data: bytes, pos: int) -> int:
+        if not self._preface_left:
+            return 0
+        offset = len(http2.PREFACE) - self._preface_left
+        take = min(self._preface_left, len(data) - pos)
+        if data[pos : pos + take] != http2.PREFACE[offset : offset + take]:
+            raise http2.FrameError("the client did not start with the HTTP/2 preface (is it a gRPC client?)")
+        self._preface_left -= take
+        return take
+
+    def _send(self, data: bytes, run: int, end: int, chunks: list[bytes | memoryview]) -> None:
+        upstream = self._upstream
+        if upstream is None or upstream.transport is None or upstream.transport.is_closing():
+            return
+        if not chunks:
+            if run == 0 and end == len(data):
+                upstream.transport.write(data)
+            elif run < end:
+                upstream.transport.write(memoryview(data)[run:end])
+            return
+        if run < end:
+            chunks.append(memoryview(data)[run:end])
+        upstream.transport.writelines(chunks)
+
+    def _to_client(self, frames: bytes) -> None:
+        """The proxy's own frames to the client, between Triton's frames."""
+        if self._upstream is not None:
+            self._upstream.inject(frames)
+        elif self.transport is not None and not self.transport.is_closing():
+            self.transport.write(frames)
+
+    # Frame handlers: return None to forward the frame as it is, b"" to drop it, or bytes to send instead.
+
+    def _on_data(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
+        stream = self._streams.active.get(stream_id)
+        if stream is None:
+            known = self._streams.known_upstream(stream_id)
+            return None if known else self._drop_data(stop - pos - http2.HEADER_SIZE)
+        if stream.inspector is None:
+            return None
+        start, end = pos + http2.HEADER_SIZE, stop
+        if flags & http2.PADDED:
+            first, last = http2.data_content(flags, memoryview(data)[start:stop])
+            start, end = start + first, start + last
+        refusal = stream.inspector.feed(data, start, end)
+        if refusal is None:
+            return None
+        self._refuse_forwarded(stream_id, refusal)
+        self._drop_data(stop - pos - http2.HEADER_SIZE)
+        return http2.rst_stream(stream_id, http2.CANCEL)
+
+    def _drop_data(self, length: int) -> bytes:
+        """A client DATA frame Triton must not see: credit its bytes back to the client's window."""
+        if length:
+            self._to_client(http2.window_update(0, length))
+        return b""
+
+    def _on_rst_stream(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
+        if self._streams.finish(stream_id, "cancelled"):
+            self._close_if_drained()
+            return None
+        if self._streams.forget_local(stream_id):
+            return b""
+        return None if self._streams.known_upstream(stream_id) else b""
+
+    def _on_settings(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
+        if self._unavailable and not flags & http2.ACK:
+            self._to_client(http2.SETTINGS_ACK)
+        return None
+
+    def _on_ping(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
+        if self._unavailable and not flags & http2.ACK:
+            self._to_client(http2.frame(http2.PING, http2.ACK, 0, data[pos + http2.HEADER_SIZE : stop]))
+        return None
+
+    def _on_window_update(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
+        if stream_id:
+            return None if self._streams.known_upstream(stream_id) else b""
+        if not self._window_debt or stop - pos < http2.HEADER_SIZE + 4:
+            return None
+        increment = http2.window_increment(memoryview(data)[pos + http2.HEADER_SIZE : stop])
+        paid = min(increment, self._window_debt)
+        self._window_debt -= paid
+        return http2.window_update(0, increment - paid)
+
+    def _on_headers(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
+        if self._block:
+            raise http2.FrameError("HEADERS frame inside another stream's header block")
+        if not flags & http2.END_HEADERS:
+            self._block.append(data[pos:stop])
+            return b""
+        frame = memoryview(data)[pos:stop]
+        fragment = http2.header_block_fragment(flags, memoryview(frame)[http2.HEADER_SIZE :])
+        return self._on_header_block(stream_id, flags, bytes(fragment))
+
+    def _on_continuation(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
+        if not self._block:
+            raise http2.FrameError("CONTINUATION frame without a HEADERS frame before it")
+        self._block.append(data[pos:stop])
+        if not flags & http2.END_HEADERS:
+            return b""
+        frames, self._block = self._block, []
+        first_flags = http2.parse_header(frames[0], 0)[2]
+        fragments = [http2.header_block_fragment(first_flags, memoryview(frames[0])[http2.HEADER_SIZE :])]
+        fragments += [memoryview(f)[http2.HEADER_SIZE :] for f in frames[1:]]
+        result = self._on_header_block(stream_id, first_flags, b"".join(fragments))
+        return b"".join(frames) if result is None else result
+
+    def _on_header_block(self, stream_id: int, flags: int, fragment: bytes) -> bytes | None:
+        """A complete header block: judge a new stream, then forward it as is (None), re-encoded (bytes)
+        or not at all (b"")."""
+        block = self._decoder.decode(fragment)
+        if stream_id > self._streams.client_max:
+            self._streams.client_max = stream_id
+            if not self._open_stream(stream_id, block):
+                self._reencode = self._reencode or block.changes_table
+                return b""
+        elif not self._streams.known_upstream(stream_id):
+            self._reencode = self._reencode or block.changes_table
+            return b""
+        if not self._reencode:
+            return None
+        headers = [h for h in block.headers if h[0] not in self._strip]
+        return http2.header_frames(stream_id, encode_plain(headers), end_stream=bool(flags & http2.END_STREAM))
+
+    def _open_stream(self, stream_id: int, block: HeaderBlock) -> bool:
+        """A client opened a stream: forward it (True) or answer it here (False)."""
+        path = block.get(b":path") or b""
+        if self._unavailable:
+            rule = judge_grpc_method(path.decode("latin-1"))
+            self._refuse_local(
+                stream_id,
+                rule.route if rule else "unknown",
+                GRPC_UNAVAILABLE,
+                "Triton is not reachable from the proxy; retry later",
+                "triton_unavailable",
+            )
+            return False
+        if self._goaway_last is not None and stream_id > self._goaway_last:
+            self._streams.answer_locally(stream_id)
+            self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
+            return False
+        rule = judge_grpc_method(path.decode("latin-1"))
+        if rule is None:
+            shown = clip_path(path.decode("utf-8", errors="replace"))
+            self._refuse_local(stream_id, "unknown", GRPC_UNIMPLEMENTED, f"method {shown} is not available", "unknown")
+            return False
+        if rule.verdict is Verdict.DENY:
+            self._refuse_local(
+                stream_id, rule.route, GRPC_PERMISSION_DENIED, f"{rule.route} is not available to tenants", "denied"
+            )
+            return False
+        if rule.verdict is Verdict.READY:
+            self._answer_ready(stream_id, rule)
+            return False
+        inspector = None
+        if rule.verdict is Verdict.OWN:
+            inspector = MessageInspector(rule, self._own, encoding=block.get(b"grpc-encoding"), limit=self._limit)
+        self._streams.forward(stream_id, rule, inspector)
+        return True
+
+    # ---------------------------------------------------------------------------------- local answers
+
+    def _refuse_local(self, stream_id: int, route: str, status: int, message: str, reason: str) -> None:
+        self._streams.answer_locally(stream_id)
+        self._to_client(grpc_replies.refusal(stream_id, status, message))
+        self._state.refuse(PROTOCOL, route, grpc_replies.STATUS_NAMES[status], reason)
+
+    def _refuse_forwarded(self, stream_id: int, refusal: Refusal) -> None:
+        """A forwarded stream's message is refused: it ends for the client (the caller resets it at Triton)."""
+        stream = self._streams.refuse(stream_id, refusal)
+        frames = grpc_replies.refusal(stream_id, refusal.status, refusal.message, headers_sent=stream.headers_sent)
+        self._to_client(frames)
+        self._close_if_drained()
+
+    def _answer_ready(self, stream_id: int, rule: GrpcRule) -> None:
+        self._streams.answer_locally(stream_id)
+        if self._state.draining:
+            self._send_ready(stream_id, rule, False, time.perf_counter())
+            return
+        task = asyncio.get_running_loop().create_task(self._ask_ready(stream_id, rule))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _ask_ready(self, stream_id: int, rule: GrpcRule) -> None:
+        started = time.perf_counter()
+        ready = await self._state.readiness.own_model_ready()
+        self._send_ready(stream_id, rule, ready and not self._state.draining, started)
+
+    def _send_ready(self, stream_id: int, rule: GrpcRule, ready: bool, started: float) -> None:
+        frames, data_bytes = grpc_replies.unary_response(stream_id, grpc_replies.READINESS_MESSAGES[rule.route][ready])
+        self._window_debt += data_bytes
+        self._to_client(frames)
+        self._state.metrics.observe(PROTOCOL, rule.route, "ok", time.perf_counter() - started)
+
+    # ---------------------------------------------------------------------------------- Triton down
+
+    def _become_unavailable(self) -> None:
+        """Triton cannot be reached: be a minimal HTTP/2 server that answers every stream UNAVAILABLE,
+        then GOAWAY (see :meth:`_relay`); a client that opens no stream is let go after a while."""
+        self._unavailable = True
+        self._to_client(http2.settings())
+        if self.transport is not None:
+            transport = self.transport
+            asyncio.get_running_loop().call_later(
+                self._state.settings.connect_timeout_s,
+                lambda: None if transport.is_closing() else self._close_with(http2.goaway(self._streams.client_max)),
+            )
+
+
+def _pause_reading(transport: asyncio.Transport | None, paused: bool) -> None:
+    if transport is None or transport.is_closing():
+        return
+    if paused:
+        transport.pause_reading()
+    else:
+        transport.resume_reading()
+
+
+def _forward(data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
+    return None

@@ -1,0 +1,244 @@
+"""The gRPC relay's framing logic, driven byte by byte: no sockets, so reads can be split anywhere.
+
+Transports are simple recorders of what the relay writes (the asyncio transport interface, not an SDK
+client). A client conversation is encoded the way grpc clients do it (HPACK with incremental indexing);
+what reaches "Triton" is decoded with the ``hpack`` package's own decoder. The relay's output must not
+depend on where TCP happened to split the bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import hpack
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tritonclient.grpc import service_pb2 as pb
+
+from tests.proxy.wire import client_streams
+from tritonshare.proxy import http2
+from tritonshare.proxy.grpc import GrpcFrontend
+from tritonshare.proxy.grpc_connection import ClientConnection
+from tritonshare.proxy.grpc_upstream import UpstreamConnection
+from tritonshare.proxy.policy import GRPC_SERVICE
+from tritonshare.proxy.settings import ProxySettings
+from tritonshare.proxy.state import ProxyState
+
+
+@dataclass
+class Recorder:
+    """Stands in for an asyncio transport: keeps what is written."""
+
+    out: bytearray = field(default_factory=bytearray)
+    closed: bool = False
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.out += data
+
+    def writelines(self, chunks: list[bytes | memoryview]) -> None:
+        for chunk in chunks:
+            self.out += chunk
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    abort = close
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+class Client:
+    """Encodes a client's side of a conversation like a gRPC client library does."""
+
+    def __init__(self) -> None:
+        self.encoder = hpack.Encoder()
+
+    def headers(self, stream_id: int, method: str, *extra: tuple[str, str]) -> bytes:
+        fields = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", f"/{GRPC_SERVICE}/{method}"),
+            (":authority", "proxy:9001"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+            *extra,
+        ]
+        return http2.frame(http2.HEADERS, http2.END_HEADERS, stream_id, self.encoder.encode(fields))
+
+
+def message(model: str, raw: bytes = b"") -> bytes:
+    request = pb.ModelInferRequest(model_name=model)
+    if raw:
+        request.raw_input_contents.append(raw)
+    body = request.SerializeToString()
+    return b"\x00" + len(body).to_bytes(4, "big") + body
+
+
+def data(stream_id: int, payload: bytes, *, end: bool = True) -> bytes:
+    return http2.frame(http2.DATA, http2.END_STREAM if end else 0, stream_id, payload)
+
+
+def conversation() -> bytes:
+    client, big = Client(), message("own", bytes(range(256)) * 160)  # 40 KiB: three DATA frames
+    return b"".join(
+        [
+            http2.PREFACE,
+            http2.settings({0x4: 1 << 20}),
+            http2.window_update(0, 1 << 20),
+            client.headers(1, "ModelInfer"),
+            data(1, message("own")),
+            client.headers(3, "RepositoryIndex"),
+            data(3, b"\x00" * 5),  # denied; its :path is indexed
+            client.headers(5, "ModelInfer"),
+            http2.window_update(5, 100),
+            data(5, message("other")),  # refused
+            client.headers(7, "ModelReady"),
+            data(7, message("own")[:6], end=False),
+            data(7, message("own")[6:]),
+            client.headers(9, "ModelInfer"),
+            data(9, big[:16_000], end=False),
+            data(9, big[16_000:32_000], end=False),
+            data(9, big[32_000:]),
+            client.headers(11, "ServerReady"),
+            data(11, b"\x00" * 5),  # answered by the proxy: not ready (draining)
+            http2.window_update(0, 100),  # 5 of these bytes credit the proxy's own answer, not Triton's
+            http2.frame(http2.PING, 0, 0, b"12345678"),
+        ]
+    )
+
+
+async def relay(
+    chunks: list[bytes],
+    after: Callable[[ClientConnection, UpstreamConnection], None] | None = None,
+    *,
+    early: int = 0,
+) -> tuple[bytes, bytes, ProxyState]:
+    """Relay a client's bytes (the first ``early`` chunks arrive before Triton's connection is open);
+    returns what Triton and the client received."""
+    state = ProxyState(ProxySettings(name="own", triton_grpc="127.0.0.1:1"))
+    state.draining = True  # readiness answers at once, without asking Triton
+    to_triton, to_client = Recorder(), Recorder()
+    upstreams: list[UpstreamConnection] = []
+
+    async def open_upstream(factory: Callable[[], UpstreamConnection]) -> UpstreamConnection:
+        upstream = factory()
+        upstream.connection_made(to_triton)  # type: ignore[arg-type]
+        upstreams.append(upstream)
+        return upstream
+
+    connection = ClientConnection(GrpcFrontend(state, open_upstream=open_upstream), state)
+    connection.connection_made(to_client)  # type: ignore[arg-type]
+    for chunk in chunks[:early]:
+        connection.data_received(chunk)
+    for _ in range(10):  # the upstream "connects" (a few loop iterations: task, wait_for)
+        await asyncio.sleep(0)
+    assert upstreams, "the relay did not open its upstream connection"
+    for chunk in chunks[early:]:
+        connection.data_received(chunk)
+    if after is not None:
+        after(connection, upstreams[0])
+    return bytes(to_triton.out), bytes(to_client.out), state
+
+
+def split(data: bytes, cuts: list[int]) -> list[bytes]:
+    bounds = [0, *sorted({c % (len(data) + 1) for c in cuts}), len(data)]
+    return [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+def frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    out, pos = [], 0
+    while pos < len(data):
+        length, kind, flags, stream_id = http2.parse_header(data, pos)
+        out.append((kind, flags, stream_id, data[pos + 9 : pos + 9 + length]))
+        pos += 9 + length
+    assert pos == len(data), "output ends inside a frame"
+    return out
+
+
+def test_what_reaches_triton_and_what_the_client_gets() -> None:
+    to_triton, to_client, _ = asyncio.run(relay([conversation()]))
+    streams = client_streams(to_triton)
+    opened = {sid: s.headers[":path"].rsplit("/", 1)[1] for sid, s in streams.items() if s.headers}
+    assert opened == {1: "ModelInfer", 5: "ModelInfer", 7: "ModelReady", 9: "ModelInfer"}  # no 3, no 11
+    assert streams[5].reset_code == http2.CANCEL and not streams[5].data
+    assert bytes(streams[7].data) == message("own") and streams[7].end_stream
+    assert bytes(streams[9].data) == message("own", bytes(range(256)) * 160)
+    assert 3 not in streams and 11 not in streams  # not even their WINDOW_UPDATE or DATA frames
+    updates = [http2.window_increment(p) for kind, _, sid, p in frames(to_triton[24:]) if kind == 8 and sid == 0]
+    assert updates == [1 << 20, 95]  # the second one less the 5 DATA bytes of the proxy's own answer
+
+    got = frames(to_client)
+    statuses = {sid: p for kind, _, sid, p in got if kind == http2.HEADERS}
+    decoder = hpack.Decoder()
+    assert dict(decoder.decode(statuses[3]))["grpc-status"] == "7"  # PERMISSION_DENIED
+    assert dict(decoder.decode(statuses[5]))["grpc-status"] == "5"  # NOT_FOUND
+    assert len(decoder.header_table.dynamic_entries) == 0  # the client's table is left alone
+    credits = [http2.window_increment(p) for kind, _, sid, p in got if kind == 8]
+    assert credits == [5, len(message("other")), 5]  # dropped DATA is credited back to the client
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=12), early=st.integers(0, 3))
+def test_client_side_output_does_not_depend_on_read_boundaries(cuts: list[int], early: int) -> None:
+    whole = asyncio.run(relay([conversation()]))
+    pieces = asyncio.run(relay(split(conversation(), cuts), early=early))
+    assert pieces[:2] == whole[:2]
+
+
+def triton_replies() -> bytes:
+    encoder = hpack.Encoder()
+
+    def headers(stream_id: int, fields: list[tuple[str, str]], flags: int = 0) -> bytes:
+        return http2.frame(http2.HEADERS, http2.END_HEADERS | flags, stream_id, encoder.encode(fields))
+
+    response, trailers = [(":status", "200"), ("content-type", "application/grpc")], [("grpc-status", "0")]
+    long_block = encoder.encode([*response, ("x-long", "v" * 300)])
+    return b"".join(
+        [
+            http2.settings({0x5: 1 << 22}),
+            headers(1, response),
+            data(1, b"\x00" * 40, end=False),
+            headers(1, trailers, http2.END_STREAM),
+            headers(5, response),
+            data(5, b"\x00" * 9, end=False),  # stream 5 was reset by the proxy: dropped
+            http2.frame(http2.HEADERS, 0, 7, long_block[:100]),  # a block in two frames
+            http2.frame(http2.CONTINUATION, http2.END_HEADERS, 7, long_block[100:]),
+            data(7, b"\x01" * 70_000, end=False),
+            headers(7, trailers, http2.END_STREAM),
+            headers(9, response),
+            data(9, b"\x02" * 20),
+            headers(9, trailers, http2.END_STREAM),
+        ]
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=12), drain_at=st.integers(0, 12))
+def test_triton_side_passes_bytes_and_slips_goaway_in_between_frames(cuts: list[int], drain_at: int) -> None:
+    replies = triton_replies()
+    chunks = split(replies, cuts)
+
+    def answer(connection: ClientConnection, upstream: UpstreamConnection) -> None:
+        for index, chunk in enumerate(chunks):
+            if index == drain_at:
+                connection.begin_drain()  # GOAWAY, written at the next frame boundary
+            upstream.data_received(chunk)
+
+    _, to_client, state = asyncio.run(relay([conversation()], answer))
+    got = [f for f in frames(to_client) if f[2] not in (3, 5, 11) and f[0] != http2.WINDOW_UPDATE]
+    goaways = [f for f in got if f[0] == http2.GOAWAY]
+    assert len(goaways) == (1 if drain_at < len(chunks) else 0)
+    passed = [f for f in got if f[0] != http2.GOAWAY]
+    expected = [f for f in frames(replies) if f[2] != 5]
+    assert passed == expected
+    if goaways:  # never between a HEADERS frame and its CONTINUATION
+        index = got.index(goaways[0])
+        assert not (index > 0 and got[index - 1][0] == http2.HEADERS and not got[index - 1][1] & http2.END_HEADERS)
+    assert state.inflight == 0  # every forwarded stream was ended by Triton (or reset by the proxy)
