@@ -49,8 +49,8 @@ def tree_bytes(folder: Path) -> dict[str, bytes]:
 
 
 def make_tar(folder: Path, dest: Path, *, compression: str = "gz", arcname: str = "") -> Path:
-    """``folder``'s content as a tar (``compression`` "" | "gz"), members under ``arcname`` if given."""
-    with tarfile.open(dest, f"w:{compression}") as tar:
+    """``folder``'s content as a tar (``compression`` "gz", or "" for none), members under ``arcname``."""
+    with tarfile.open(dest, "w:gz" if compression == "gz" else "w") as tar:
         for rel, path in files_under(folder):
             tar.add(path, arcname=f"{arcname}/{rel}" if arcname else rel)
     return dest
@@ -157,7 +157,7 @@ class MotoS3(_S3Base):
     def tamper(self, bucket: str, key: str, data: bytes) -> None:
         """Replace an object's bytes inside the store but keep its recorded ETag and size: bit rot, as
         the client sees it (a store whose data no longer matches the checksum it lists)."""
-        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.core.models import DEFAULT_ACCOUNT_ID
         from moto.s3.models import s3_backends
 
         fake = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].buckets[bucket].keys[key]
