@@ -242,3 +242,33 @@ def test_triton_side_passes_bytes_and_slips_goaway_in_between_frames(cuts: list[
         index = got.index(goaways[0])
         assert not (index > 0 and got[index - 1][0] == http2.HEADERS and not got[index - 1][1] & http2.END_HEADERS)
     assert state.inflight == 0  # every forwarded stream was ended by Triton (or reset by the proxy)
+
+
+def test_a_stream_naming_two_paths_never_reaches_triton() -> None:
+    # Which :path would Triton act on? The relay does not find out: a repeated pseudo-header is malformed.
+    client = Client()
+    twice = client.encoder.encode(
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", f"/{GRPC_SERVICE}/ServerLive"),
+            (":path", f"/{GRPC_SERVICE}/RepositoryIndex"),
+            (":authority", "proxy"),
+            ("content-type", "application/grpc"),
+        ]
+    )
+    talk = b"".join(
+        [
+            http2.PREFACE,
+            http2.settings(),
+            http2.frame(http2.HEADERS, http2.END_HEADERS, 1, twice),
+            data(1, b"\0" * 5),
+            client.headers(3, "ServerLive"),
+            data(3, b"\0" * 5),
+        ]
+    )
+    to_triton, to_client, _ = asyncio.run(relay([talk]))
+    opened = {sid: s.headers[":path"] for sid, s in client_streams(to_triton).items() if s.headers}
+    assert opened == {3: f"/{GRPC_SERVICE}/ServerLive"}
+    resets = [(sid, p) for kind, _, sid, p in frames(to_client) if kind == http2.RST_STREAM]
+    assert resets == [(1, http2.PROTOCOL_ERROR.to_bytes(4, "big"))]

@@ -174,7 +174,8 @@ class ClientConnection(asyncio.Protocol):
         return self._goaway_last
 
     def _close_if_drained(self) -> None:
-        if self._goaway_last is not None and not self._streams.active and self.transport is not None:
+        drained = self._goaway_last is not None and not self._streams.active and not self._tasks
+        if drained and self.transport is not None:
             asyncio.get_running_loop().call_soon(self.transport.close)
 
     # ---------------------------------------------------------------------------------- Triton's side
@@ -383,7 +384,7 @@ class ClientConnection(asyncio.Protocol):
             if not self._open_stream(stream_id, block):
                 self._reencode = self._reencode or block.changes_table
                 return b""
-        elif not self._streams.known_upstream(stream_id):
+        elif stream_id not in self._streams.active:  # only trailers of a stream in flight go on
             self._reencode = self._reencode or block.changes_table
             return b""
         if not self._reencode:
@@ -393,7 +394,13 @@ class ClientConnection(asyncio.Protocol):
 
     def _open_stream(self, stream_id: int, block: HeaderBlock) -> bool:
         """A client opened a stream: forward it (True) or answer it here (False)."""
-        path = block.get(b":path") or b""
+        path = block.path or b""
+        if block.ambiguous:
+            # Malformed (RFC 7540 §8.1.2.3); Triton might read another :path than the one judged here.
+            self._streams.answer_locally(stream_id)
+            self._to_client(http2.rst_stream(stream_id, http2.PROTOCOL_ERROR))
+            self._state.refuse(PROTOCOL, "unknown", "protocol_error", "malformed")
+            return False
         if self._unavailable:
             rule = judge_grpc_method(path.decode("latin-1"))
             self._refuse_local(
@@ -423,7 +430,7 @@ class ClientConnection(asyncio.Protocol):
             return False
         inspector = None
         if rule.verdict is Verdict.OWN:
-            inspector = MessageInspector(rule, self._own, encoding=block.get(b"grpc-encoding"), limit=self._limit)
+            inspector = MessageInspector(rule, self._own, encoding=block.encoding, limit=self._limit)
         self._streams.forward(stream_id, rule, inspector)
         return True
 
@@ -448,7 +455,11 @@ class ClientConnection(asyncio.Protocol):
             return
         task = asyncio.get_running_loop().create_task(self._ask_ready(stream_id, rule))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._close_if_drained()
 
     async def _ask_ready(self, stream_id: int, rule: GrpcRule) -> None:
         started = time.perf_counter()

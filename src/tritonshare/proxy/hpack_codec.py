@@ -49,6 +49,21 @@ class HpackError(Exception):
 class HeaderBlock:
     headers: tuple[Header, ...]
     changes_table: bool  # decoding it inserted entries or resized the table
+    path: bytes | None  # what the relay judges, read once per distinct block
+    encoding: bytes | None  # grpc-encoding
+    ambiguous: bool  # :path or grpc-encoding given more than once: readers might disagree on which counts
+
+    @classmethod
+    def of(cls, headers: tuple[Header, ...], changes_table: bool) -> HeaderBlock:
+        paths = [value for name, value in headers if name == b":path"]
+        encodings = [value for name, value in headers if name == b"grpc-encoding"]
+        return cls(
+            headers,
+            changes_table,
+            paths[0] if paths else None,
+            encodings[0] if encodings else None,
+            len(paths) > 1 or len(encodings) > 1,
+        )
 
     def get(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -106,7 +121,7 @@ class HeaderDecoder:
             else:  # literal without indexing (0x00) or never indexed (0x10)
                 header, pos = self._literal(block, pos, 4)
                 headers.append(header)
-        return HeaderBlock(tuple(headers), changed)
+        return HeaderBlock.of(tuple(headers), changed)
 
     def _literal(self, block: bytes, pos: int, prefix_bits: int) -> tuple[Header, int]:
         index, pos = _integer(block, pos, prefix_bits)
