@@ -53,6 +53,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._block: list[bytes] = []  # frames of a held header block awaiting END_HEADERS
         self._queued: list[bytes] = []  # the proxy's frames waiting for the end of the current frame
         self._in_block = False  # between a HEADERS frame and the frame that ends its header block
+        self._block_mode = _PASS  # what is done with the current header block's frames
 
     # ---------------------------------------------------------------------------------- asyncio
 
@@ -161,13 +162,16 @@ class UpstreamConnection(asyncio.Protocol):
         self._client.writelines(chunks)
 
     def _classify(self, kind: int, flags: int, stream_id: int, length: int) -> int:
+        if kind == http2.CONTINUATION:
+            return self._block_mode  # as the HEADERS frame that began the block
         if stream_id and stream_id in self._owner.reset_streams:
-            if kind == http2.DATA:
-                if length:
-                    self.send(http2.window_update(0, length))
-                return _DROP
-            return _HOLD if kind in (http2.HEADERS, http2.CONTINUATION) else _DROP
+            if kind == http2.HEADERS:
+                self._block_mode = _HOLD
+            elif kind == http2.DATA and length:
+                self.send(http2.window_update(0, length))
+            return _HOLD if kind == http2.HEADERS else _DROP
         if kind == http2.HEADERS:
+            self._block_mode = _PASS
             self._owner.response_headers(stream_id, bool(flags & http2.END_STREAM))
         elif kind == http2.DATA:
             if flags & http2.END_STREAM:
