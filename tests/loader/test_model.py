@@ -188,3 +188,16 @@ def test_a_config_that_is_not_utf8_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.pbtxt").write_bytes(b'backend: "\xff\xfe"\n')
     with pytest.raises(InvalidModel, match=r"config.pbtxt: not UTF-8 text \(byte 10\)"):
         prepare(tmp_path, "mine", "s3://b/m")
+
+
+def test_python_modules_get_a_pycache_file_so_triton_writes_no_bytecode(tmp_path: Path) -> None:
+    write_model(tmp_path)
+    (tmp_path / "1" / "__pycache__").unlink()  # as models come from the field
+    (tmp_path / "1" / "lib").mkdir()
+    (tmp_path / "1" / "lib" / "util.py").write_text("X = 1\n")
+    (tmp_path / "1" / "lib" / "__pycache__").mkdir()  # shipped bytecode, stale by definition
+    (tmp_path / "1" / "lib" / "__pycache__" / "util.cpython-311.pyc").write_bytes(b"\0")
+    prepare(tmp_path, "mine", "s3://b/m")
+    for folder in (tmp_path / "1", tmp_path / "1" / "lib"):
+        assert (folder / "__pycache__").is_file()
+    assert not (tmp_path / "__pycache__").exists()  # no Python module there

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -318,7 +320,26 @@ def prepare(top: Path, name: str, label: str) -> Path:
         where = f"{label}: {config.relative_to(top).as_posix()}"
         text = _read_text(config, where)
         config.write_text(with_name(text, name, where), encoding="utf-8")
+    block_bytecode(root)
     return root
+
+
+def block_bytecode(root: Path) -> None:
+    """Put a plain file named ``__pycache__`` beside every Python module of the model.
+
+    The Python backend imports ``model.py`` from the model folder and, even with PYTHONDONTWRITEBYTECODE
+    in Triton's environment, a ``__pycache__/`` folder appeared there (seen here, Triton 2.51): a change
+    POLL may take for a new model version. Python skips writing bytecode when ``__pycache__`` is not a
+    folder. Caches shipped with the model are dropped: they are derived files, rebuilt on import.
+    """
+    for folder, _dirs, files in os.walk(root):  # links are not followed: they point inside, already walked
+        if not any(f.endswith(".py") for f in files):
+            continue
+        cache = Path(folder, "__pycache__")
+        if cache.is_dir() and not cache.is_symlink():
+            shutil.rmtree(cache)
+        if not cache.exists():
+            cache.touch()
 
 
 def _read_text(path: Path, where: str) -> str:
