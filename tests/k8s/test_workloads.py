@@ -34,6 +34,7 @@ from tests.k8s.kustomize import (
 from tests.support.triton import TritonServer, triton_available, triton_venv
 from tritonshare.cli import main as cli
 
+TRITONSHARE_IMAGE = re.compile(r"^(?:.+/)?tritonshare(?::|@|$)")
 MODEL_LABEL = "tritonshare.io/model"  # the pod label that holds the model NAME
 MODELS_NAMESPACE_LABEL = "tritonshare.io/models"  # what a namespace needs for its model pods to reach Triton
 NODE_ROOT = "/var/lib/tritonshare"
@@ -92,7 +93,8 @@ def cli_params(c: Container, b: Build, monkeypatch: pytest.MonkeyPatch) -> dict[
     env = environment(c, b).values
     sub, *rest = c.spec["args"]
     # The pod's containers share one ConfigMap: each variable must be read by one of the pod's commands.
-    pod_commands = [cli, *(cli.commands[other.spec["args"][0]] for other in containers(c.workload))]
+    subs = {sub} | {o.spec["args"][0] for o in containers(c.workload) if o.spec.get("args")}
+    pod_commands = [cli, *(cli.commands[s] for s in subs if s in cli.commands)]
     known = {p.envvar for cmd in pod_commands for p in cmd.params if isinstance(p.envvar, str)}
     unknown = sorted(k for k in env if k.startswith("TRITONSHARE_") and k not in known)
     assert not unknown, f"{c.where}: no command of the pod reads {unknown} — a typo or a missing option?"
@@ -239,6 +241,25 @@ def test_model_pod_loads_then_proxies_one_name_set_once(builds: dict[str, Build]
             assert c.env_value("TRITONSHARE_NAME") == {"name": "TRITONSHARE_NAME", "valueFrom": ref}, c.where
         assert load.spec["envFrom"] == proxy.spec["envFrom"], f"{name}: loader and proxy read different settings"
         assert MODEL_LABEL in pod_labels(deployment), name
+
+
+def test_every_tritonshare_container_runs_a_command_that_reads_its_environment(
+    builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pending = {"gc"}  # components waiting for their command (see test_gc_sidecar_waits_for_its_command)
+    checked = 0
+    for name, b in builds.items():
+        for workload in b.workloads():
+            for c in containers(workload):
+                if not TRITONSHARE_IMAGE.match(c.spec["image"]) or "command" in c.spec:
+                    continue  # Triton, or the node-folder init container's shell
+                sub = c.spec["args"][0]
+                if sub not in cli.commands:
+                    assert sub in pending and name == f"components/{sub}", f"{name}: {c.where} runs {sub!r}"
+                    continue
+                cli_params(c, b, monkeypatch)
+                checked += 1
+    assert checked
 
 
 def test_model_environment_is_what_the_cli_reads(builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch) -> None:
