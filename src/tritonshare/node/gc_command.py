@@ -1,8 +1,7 @@
 """The ``tritonshare gc`` command; ``tritonshare.cli`` adds it with ``main.add_command(gc)``.
 
-Same conventions as :mod:`tritonshare.cli` (every option is also ``TRITONSHARE_<OPTION>``; options become
-frozen settings; the command body imports its modules lazily), through the helpers of
-:mod:`tritonshare.node.commands`, since the layer contract forbids ``node`` to import ``cli``.
+Same conventions as every subcommand (:mod:`tritonshare.common.command`): each option is also
+``TRITONSHARE_<OPTION>``, options become frozen settings, and the command body imports its modules lazily.
 """
 
 from __future__ import annotations
@@ -11,10 +10,10 @@ from pathlib import Path
 
 import click
 
+from tritonshare.common.command import option, run_command
 from tritonshare.common.layout import DEFAULT_REPOSITORY, DEFAULT_STAGING, NodeLayout
 from tritonshare.common.lease import DEFAULT_LEASES, DEFAULT_TTL_S
 from tritonshare.common.termination import DEFAULT_PATH
-from tritonshare.node.commands import option, run_command
 
 
 @click.command()
