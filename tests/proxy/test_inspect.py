@@ -62,9 +62,11 @@ def _check(body: bytes, *, encoding: str = "", json_length: int | None = None, l
     """Feed ``body`` one byte at a time, as the slowest client would; True once the JSON part is judged."""
     check = InferBodyCheck(encoding=encoding, json_length=json_length, max_json_bytes=limit)
     for i in range(len(body)):
-        if check.feed(body[i : i + 1]):
+        released = check.feed(body[i : i + 1])
+        if released is not None:
+            assert b"".join(released) == body[: i + 1]  # what was held is handed back, to be forwarded
             return True
-    check.finish()
+    assert b"".join(check.finish()) == body
     return False
 
 

@@ -213,6 +213,7 @@ def _show(raw: bytes, limit: int = 80) -> str:
 @dataclass(frozen=True, slots=True)
 class ResponseHead:
     status: int
+    code: str  # the status as a metrics label
     content_length: int | None
     chunked: bool
     close: bool  # Triton will close the connection after this response
@@ -242,7 +243,7 @@ def parse_response_head(head: bytes) -> ResponseHead:
         elif lname == b"connection":
             has_connection = True
             close = close or b"close" in _tokens(value)
-    return ResponseHead(int(match[1]), None if chunked else length, chunked, close, has_connection)
+    return ResponseHead(int(match[1]), match[1].decode(), None if chunked else length, chunked, close, has_connection)
 
 
 class ResponseReader:
@@ -271,6 +272,8 @@ class ResponseReader:
         if self.head is not None:
             stop = self._body(data, 0)
             return data if stop == len(data) else data[:stop]
+        if not self._buf and self._whole(data):
+            return data
         if self._buf:
             data, self._buf = self._buf + data, b""
         out = b""
@@ -286,6 +289,18 @@ class ResponseReader:
                 break
             out, data = out + data[: end + 4], data[end + 4 :]  # 1xx: informational, a final head follows
         return out + self._final_head(head, data, end)
+
+    def _whole(self, data: bytes) -> bool:
+        """The common case, taken in one step: ``data`` is exactly one whole response, its head seen before."""
+        end = data.find(b"\r\n\r\n")
+        head = self._cache.get(data[:end]) if end > 0 else None
+        if head is None or head.content_length != len(data) - end - 4 or head.status < 200:
+            return False
+        if self.close or self._no_body:
+            return False
+        self.head = head
+        self.done = True
+        return True
 
     def _final_head(self, head: ResponseHead, data: bytes, end: int) -> bytes:
         self.head = head

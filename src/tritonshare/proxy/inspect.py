@@ -29,6 +29,7 @@ from tritonshare.proxy.policy import SHM_MARKER, SHM_PARAMETERS
 # Content-Encoding -> zlib wbits (None: the body is not encoded). Both compressed forms are read with automatic
 # zlib/gzip header detection, as Triton does.
 ENCODINGS: dict[str, int | None] = {"": None, "identity": None, "gzip": 47, "deflate": 47}
+_HELD_SLACK = 1 << 20  # encoded bytes held beyond max_json_bytes before the JSON part must be complete
 
 
 class BodyRefused(Exception):
@@ -71,7 +72,7 @@ def _no_shm_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def check_plain_body(body: bytes, *, json_length: int | None, max_json_bytes: int) -> None:
+def check_plain_body(body: bytes, json_length: int | None, max_json_bytes: int) -> None:
     """Check a whole unencoded body at once (the common case: it arrived with its head)."""
     if json_length == 0:
         return
@@ -84,11 +85,12 @@ def check_plain_body(body: bytes, *, json_length: int | None, max_json_bytes: in
 
 
 class InferBodyCheck:
-    """Fed the request body's payload (already de-chunked) as it arrives; decides once the JSON part is read.
+    """Holds the request body's payload (already de-chunked, still encoded) as it arrives, until the JSON part
+    is read and judged; then hands back what it held, to be forwarded.
 
-    :meth:`feed` returns True once the JSON part is complete and clean (the rest of the body needs no look);
-    :meth:`finish` is called at the end of the body if :meth:`feed` never returned True.
-    Both raise :class:`BodyRefused`.
+    :meth:`feed` returns the held payload once the JSON part is complete and clean (the rest of the body needs
+    no look), else None; :meth:`finish`, at the end of the body, judges what was read and returns the held
+    payload. Both raise :class:`BodyRefused`.
     """
 
     def __init__(self, *, encoding: str, json_length: int | None, max_json_bytes: int) -> None:
@@ -103,6 +105,8 @@ class InferBodyCheck:
         self._wanted = json_length  # None: the whole (decoded) body is JSON
         self._limit = max_json_bytes
         self._json = bytearray()
+        self._held: list[bytes | memoryview] = []
+        self._held_bytes = 0
 
     @property
     def needed(self) -> int:
@@ -110,7 +114,8 @@ class InferBodyCheck:
         goal = self._wanted if self._wanted is not None else self._limit + 1
         return goal - len(self._json)
 
-    def feed(self, payload: bytes | memoryview) -> bool:
+    def feed(self, payload: bytes | memoryview) -> list[bytes | memoryview] | None:
+        self._hold(payload)
         if self._inflate is None:
             self._json += payload[: self.needed]
         else:
@@ -118,20 +123,29 @@ class InferBodyCheck:
         if self._wanted is None:
             if len(self._json) > self._limit:
                 raise BodyRefused(413, _too_large(self._limit), "too_large")
-            return False
+            return None
         if len(self._json) < self._wanted:
-            return False
-        check_json(bytes(self._json))
-        self._json = bytearray()
-        return True
+            return None
+        return self._judge()
 
-    def finish(self) -> None:
+    def finish(self) -> list[bytes | memoryview]:
         if self._inflate is not None and not self._inflate.eof:
             raise BodyRefused(400, "the body ends before the end of its compressed stream", "encoding")
         if self._wanted is not None and len(self._json) < self._wanted:
             raise _short(self._wanted, len(self._json))
+        return self._judge()
+
+    def _judge(self) -> list[bytes | memoryview]:
         check_json(bytes(self._json))
-        self._json = bytearray()
+        held, self._held, self._json = self._held, [], bytearray()
+        return held
+
+    def _hold(self, payload: bytes | memoryview) -> None:
+        # Compressed input may carry bytes that inflate to nothing (a gzip header's comment field): bound them.
+        self._held_bytes += len(payload)
+        if self._held_bytes > self._limit + _HELD_SLACK:
+            raise BodyRefused(413, _too_large(self._limit), "too_large")
+        self._held.append(payload)
 
     def _inflate_some(self, payload: bytes | memoryview) -> None:
         inflate = self._inflate

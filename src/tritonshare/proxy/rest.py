@@ -12,8 +12,10 @@ Connections to Triton left idle when their client goes are kept in a small pool,
 probes) do not pay a connect each. Back-pressure both ways: reading from one side pauses while the other
 side's write buffer is full, so a large tensor streams through in bounded memory.
 
-Parsed heads are memoised by their exact bytes: clients repeat the same head, and parsing and judging are
-pure functions of it (the drain state is checked per request, outside the memo).
+Cost per request is what a sidecar per model pod is judged by (issue 4: nginx-class CPU), so the common case
+is short: parsed and judged heads are memoised by their exact bytes (clients repeat the same head; parsing and
+judging are pure functions of it; the drain state is checked per request, outside the memo), a body that came
+with its head goes to Triton in the same write, and a response that came whole goes back untouched.
 """
 
 from __future__ import annotations
@@ -46,23 +48,40 @@ logger = logging.getLogger(__name__)
 PROTOCOL = "rest"
 IDLE_UPSTREAMS = 8  # idle connections to Triton kept for the next client
 LINGER_S = 2.0  # after the proxy closes a connection, how long it still reads (and drops) what the client sends
-_HEAD_MEMO = 512  # parsed heads kept
+_HEAD_MEMO = 512  # judged heads kept
 _MEMO_HEAD_BYTES = 4096  # longer heads are not memoised
-_WHOLE_BODY_BYTES = 64 * 1024  # a body that arrived with its head is sent with it in one write, up to this
-_HELD_SLACK = 1 << 20  # compressed bytes held beyond max_json_bytes before the JSON part must be complete
+_WHOLE_BODY_BYTES = 64 * 1024  # a body that came with its head is sent with it in one write, up to this
 
 # Why client reading is paused (bits): no connection to Triton yet, Triton's write buffer full, a pipelined
 # request waiting for the current response.
 _CONNECTING, _UPSTREAM_FULL, _BACKLOG = 1, 2, 4
 
 _REFUSAL_REASONS = {400: "bad_request", 403: "denied", 404: "not_found", 405: "method"}
+_UNAVAILABLE = "the inference server is unavailable; retry later"
 
 
 @dataclass(frozen=True, slots=True)
 class Judged:
+    """A request head, parsed and judged once."""
+
     head: RequestHead
     decision: RestDecision
     upstream: bytes  # the head for Triton (forwarded requests only)
+    inspect: bool  # the body is an infer request to check
+    json_length: int | None  # JSON bytes at the start of the decoded body; None: all; 0: none (raw binary)
+    whole: bool  # forwarded with a plain Content-Length body: if it came with the head, one write
+
+
+def judge_head(raw: bytes, own: str, strip: frozenset[bytes], host: bytes) -> Judged:
+    head = parse_request_head(raw, strip)
+    decision = judge_rest(head.method, head.target, own)
+    if decision.status:
+        return Judged(head, decision, b"", False, None, False)
+    inspect = decision.rule is not None and decision.rule.inspect and head.has_body
+    # Only infer has the binary-tensor extension: generate parses the whole body, whatever the header says.
+    json_length = head.inference_header_length if decision.route == "infer" else None
+    whole = head.content_length is not None and not (inspect and head.content_encoding)
+    return Judged(head, decision, upstream_head(head, decision.upstream_path, host), inspect, json_length, whole)
 
 
 class RestFrontend:
@@ -76,6 +95,8 @@ class RestFrontend:
         url = urllib.parse.urlsplit(settings.triton_url)
         self.host_header = url.netloc.encode()
         self.strip = frozenset(name.lower().encode() for name in settings.strip_headers)
+        self.max_header_bytes = settings.max_header_bytes
+        self.max_json_bytes = settings.max_json_bytes
         self.pool = UpstreamPool(url.hostname or "127.0.0.1", url.port or 80, settings.connect_timeout_s, state)
         self.connections: set[ClientConnection] = set()
         self.response_heads: dict[bytes, ResponseHead] = {}
@@ -114,10 +135,7 @@ class RestFrontend:
         """Parse and judge a request head (raises :class:`HttpError`); memoised by the head's bytes."""
         judged = self._heads.get(raw)
         if judged is None:
-            head = parse_request_head(raw, self.strip)
-            decision = judge_rest(head.method, head.target, self.state.own)
-            upstream = upstream_head(head, decision.upstream_path, self.host_header) if not decision.status else b""
-            judged = Judged(head, decision, upstream)
+            judged = judge_head(raw, self.state.own, self.strip, self.host_header)
             if len(raw) <= _MEMO_HEAD_BYTES:
                 if len(self._heads) >= _HEAD_MEMO:
                     self._heads.clear()
@@ -128,37 +146,20 @@ class RestFrontend:
 class Exchange:
     """One request on a client connection, from its head to the end of its response."""
 
-    __slots__ = (
-        "judged",
-        "route",
-        "left",
-        "chunks",
-        "check",
-        "held",
-        "held_bytes",
-        "discard",
-        "begun",
-        "started",
-        "request_done",
-        "response_done",
-        "response",
-    )
+    __slots__ = ("judged", "route", "left", "chunks", "check", "discard", "response", "started", "request_done",
+                 "response_done")  # fmt: skip
 
-    def __init__(self, judged: Judged, frontend: RestFrontend) -> None:
-        head = judged.head
+    def __init__(self, judged: Judged) -> None:
         self.judged = judged
         self.route = judged.decision.route
-        self.left = head.content_length or 0  # body bytes still to read (Content-Length framing)
-        self.chunks = ChunkedReader(400) if head.chunked else None
-        self.check: InferBodyCheck | None = None
-        self.held: list[bytes | memoryview] = []  # body payload held until the check passes
-        self.held_bytes = 0
-        self.discard = False  # the body is read and dropped (the proxy answered)
-        self.begun = False  # forwarded: counted in flight
+        self.left = judged.head.content_length or 0  # body bytes still to read (Content-Length framing)
+        self.chunks = ChunkedReader(400) if judged.head.chunked else None
+        self.check: InferBodyCheck | None = None  # holds the body until its JSON part is judged
+        self.discard = False  # the proxy answered: the body is read and dropped
+        self.response: ResponseReader | None = None  # set once forwarded (counted in flight from then on)
         self.started = 0.0
         self.request_done = False
         self.response_done = False
-        self.response = ResponseReader(frontend.response_heads, no_body=head.method == "HEAD")
 
 
 class ClientConnection(asyncio.Protocol):
@@ -174,7 +175,6 @@ class ClientConnection(asyncio.Protocol):
         self.close_after = False  # close once the current exchange ends
         self.drain_grace = False  # the request in progress when draining began may still complete
         self.closing = False
-        self.closed = False
         self.paused = 0
         self.linger: asyncio.TimerHandle | None = None
 
@@ -185,11 +185,10 @@ class ClientConnection(asyncio.Protocol):
         self.fe.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.closing:
-            return
         if self.buf:
             data, self.buf = self.buf + data, b""
-        self._consume(data)
+        if not self.closing:
+            self._consume(data)
 
     def eof_received(self) -> bool:
         ex = self.exchange
@@ -199,7 +198,8 @@ class ClientConnection(asyncio.Protocol):
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = self.closing = True
+        self.closing = True
+        self.transport = None
         self.fe.connections.discard(self)
         if self.linger is not None:
             self.linger.cancel()
@@ -207,7 +207,7 @@ class ClientConnection(asyncio.Protocol):
             self.connecting.cancel()
         ex, upstream = self.exchange, self.upstream
         self.exchange = self.upstream = None
-        if ex is not None and ex.begun and not ex.response_done:
+        if ex is not None and ex.response is not None and not ex.response_done:
             self.state.end(PROTOCOL, ex.route, "499", ex.started)  # the client went away first
             if upstream is not None:
                 upstream.close()
@@ -242,93 +242,86 @@ class ClientConnection(asyncio.Protocol):
                 data = self._read_body(ex, data)
             else:  # a pipelined request: it waits for the current response
                 self.buf = data
-                if len(data) > self.state.settings.max_header_bytes:
+                if len(data) > self.fe.max_header_bytes:
                     self._pause(_BACKLOG)
                 return
 
     def _read_head(self, data: bytes) -> bytes:
         end = data.find(b"\r\n\r\n")
-        limit = self.state.settings.max_header_bytes
-        if end < 0 or end > limit:
-            if end > limit or len(data) > limit:
-                self._fail(HttpError(431, f"request head larger than {limit} bytes", "too_large"))
-            elif data.startswith(b"\r\n"):  # empty lines before a request line are ignored (RFC 9112 §2.2)
-                return data[2:]
-            else:
-                self.buf = data
-            return b""
-        try:
-            judged = self.fe.judge(data[:end])
-        except HttpError as exc:
-            self._fail(exc)
-            return b""
-        return self._start(judged, data[end + 4 :])
+        if 0 <= end <= self.fe.max_header_bytes:
+            try:
+                judged = self.fe.judge(data[:end])
+            except HttpError as exc:
+                self._fail(exc)
+                return b""
+            return self._start(judged, data[end + 4 :])
+        if end >= 0 or len(data) > self.fe.max_header_bytes:
+            self._fail(HttpError(431, f"request head larger than {self.fe.max_header_bytes} bytes", "too_large"))
+        elif data.startswith(b"\r\n"):  # empty lines before a request line are ignored (RFC 9112 §2.2)
+            return data[2:]
+        else:
+            self.buf = data
+        return b""
 
     def _start(self, judged: Judged, rest: bytes) -> bytes:
-        ex = self.exchange = Exchange(judged, self.fe)
-        head, decision = judged.head, judged.decision
+        ex = self.exchange = Exchange(judged)
         if self.state.draining and not self.drain_grace:
             self._refuse(ex, 503, "the proxy is shutting down; retry on another replica", "draining", close=True)
-        elif decision.status:
-            self._refuse(ex, decision.status, decision.message, _REFUSAL_REASONS.get(decision.status, "denied"))
+        elif judged.decision.status:
+            status = judged.decision.status
+            self._refuse(ex, status, judged.decision.message, _REFUSAL_REASONS.get(status, "denied"))
         else:
             self.drain_grace = False
-            if not head.keep_alive:
+            if not judged.head.keep_alive:
                 self.close_after = True
-            return self._forward(ex, head, rest)
-        if not head.has_body:
+            if judged.whole and len(rest) >= ex.left:
+                return self._forward_whole(ex, rest)
+            return self._forward(ex, rest)
+        if not judged.head.has_body:
             self._request_done(ex)
         return rest
 
-    def _forward(self, ex: Exchange, head: RequestHead, rest: bytes) -> bytes:
-        self._ensure_upstream()
-        rule = ex.judged.decision.rule
-        try:
-            if rule is not None and rule.inspect and head.has_body:
-                if not head.chunked and not head.content_encoding and len(rest) >= ex.left:
-                    return self._forward_whole(ex, head, rest)  # fast path: the body came with its head
-                ex.check = self._body_check(ex, head)
-        except BodyRefused as exc:
-            self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
-            return rest
+    def _forward_whole(self, ex: Exchange, rest: bytes) -> bytes:
+        """The common case: the whole plain body came with its head. Check it; head and body in one write."""
+        judged, size = ex.judged, ex.left
+        body = rest if len(rest) == size else rest[:size]
+        if judged.inspect:
+            try:
+                check_plain_body(body, judged.json_length, self.fe.max_json_bytes)
+            except BodyRefused as exc:
+                self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
+                return rest  # the body is read and dropped
+        ex.left = 0
+        ex.request_done = True
+        if size <= _WHOLE_BODY_BYTES:
+            self._begin(ex, judged.upstream + body if size else judged.upstream)
+        else:
+            self._begin(ex, judged.upstream)
+            self._send(body)
+        return rest[size:] if len(rest) > size else b""
+
+    def _forward(self, ex: Exchange, rest: bytes) -> bytes:
+        """A body still to come (or chunked, or encoded): hold it for the check if needed, else stream it."""
+        head = ex.judged.head
+        if self.upstream is None:
+            self._ensure_upstream()  # connect while the body arrives
+        if ex.judged.inspect and ex.judged.json_length != 0:
+            try:
+                ex.check = InferBodyCheck(
+                    encoding=head.content_encoding,
+                    json_length=ex.judged.json_length,
+                    max_json_bytes=self.fe.max_json_bytes,
+                )
+            except BodyRefused as exc:
+                self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
+                return rest
         if head.expect_continue:
             self._write(CONTINUE)
         if ex.check is None:
-            self._begin(ex)
+            self._begin(ex, ex.judged.upstream)
         if not head.has_body:
             self._request_done(ex)
         return rest
-
-    def _forward_whole(self, ex: Exchange, head: RequestHead, rest: bytes) -> bytes:
-        """A whole plain body is in ``rest``: check its JSON part, send head and body in one write."""
-        size = ex.left
-        body = rest if len(rest) == size else rest[:size]
-        limit = self.state.settings.max_json_bytes
-        check_plain_body(body, json_length=self._json_length(ex, head), max_json_bytes=limit)
-        ex.left = 0
-        if size <= _WHOLE_BODY_BYTES:
-            self._begin(ex, ex.judged.upstream + body)
-        else:
-            self._begin(ex)
-            self._send(body)
-        self._request_done(ex)
-        return rest[size:] if len(rest) > size else b""
-
-    @staticmethod
-    def _json_length(ex: Exchange, head: RequestHead) -> int | None:
-        """Decoded bytes of JSON at the start of the body; None: all of it; 0: none (a raw binary infer).
-        Only infer has the binary-tensor extension: generate parses the whole body, whatever the header says."""
-        return head.inference_header_length if ex.route == "infer" else None
-
-    def _body_check(self, ex: Exchange, head: RequestHead) -> InferBodyCheck | None:
-        json_length = self._json_length(ex, head)
-        if json_length == 0:
-            return None
-        return InferBodyCheck(
-            encoding=head.content_encoding,
-            json_length=json_length,
-            max_json_bytes=self.state.settings.max_json_bytes,
-        )
 
     def _read_body(self, ex: Exchange, data: bytes) -> bytes:
         if ex.chunks is None:
@@ -358,33 +351,30 @@ class ClientConnection(asyncio.Protocol):
         if ex.check is None:
             self._send_payload(ex, part)
             return
-        ex.held.append(part)
-        ex.held_bytes += len(part)
         try:
-            if ex.held_bytes > self.state.settings.max_json_bytes + _HELD_SLACK:
-                raise BodyRefused(413, "the request's JSON part is too large to check", "too_large")
-            if ex.check.feed(part):
-                self._release(ex)
+            held = ex.check.feed(part)
         except BodyRefused as exc:
             self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
+            return
+        if held is not None:
+            self._release(ex, held)
 
     def _body_end(self, ex: Exchange) -> None:
         if ex.check is not None and not ex.discard:
             try:
-                ex.check.finish()
+                held = ex.check.finish()
             except BodyRefused as exc:
                 self._refuse(ex, exc.status, exc.message, exc.reason)
             else:
-                self._release(ex)
-        if ex.chunks is not None and ex.begun:
+                self._release(ex, held)
+        if ex.chunks is not None and ex.response is not None:
             self._send(LAST_CHUNK)
         self._request_done(ex)
 
-    def _release(self, ex: Exchange) -> None:
+    def _release(self, ex: Exchange, held: list[bytes | memoryview]) -> None:
         """The check passed: send the head and the payload held so far."""
         ex.check = None
-        self._begin(ex)
-        held, ex.held = ex.held, []
+        self._begin(ex, ex.judged.upstream)
         for part in held:
             self._send_payload(ex, part)
 
@@ -398,15 +388,16 @@ class ClientConnection(asyncio.Protocol):
     def _request_done(self, ex: Exchange) -> None:
         ex.request_done = True
         if ex.response_done:
-            self._finish(ex)
+            self._finish()
 
-    def _finish(self, ex: Exchange) -> None:
+    def _finish(self) -> None:
         """Both the request and its response are complete: on to the next request, if any."""
         self.exchange = None
         if self.close_after:
             self._shutdown()
             return
-        self._unpause(_BACKLOG)
+        if self.paused & _BACKLOG:
+            self._unpause(_BACKLOG)
         if self.buf and not self.paused:
             data, self.buf = self.buf, b""
             self._consume(data)
@@ -414,10 +405,10 @@ class ClientConnection(asyncio.Protocol):
     def _refuse(self, ex: Exchange, status: int, message: str, reason: str, *, close: bool = False) -> None:
         """Answer a request here; the rest of its body is read and dropped (or the connection closes)."""
         self.state.refuse(PROTOCOL, ex.route, str(status), reason)
-        logger.debug("refused %s %s with %d: %s", ex.judged.head.method, ex.judged.head.target, status, message)
-        ex.discard = ex.response_done = True
-        ex.check, ex.held = None, []
         head = ex.judged.head
+        logger.debug("refused %s %s with %d: %s", head.method, head.target, status, message)
+        ex.discard = ex.response_done = True
+        ex.check = None
         # After "Expect: 100-continue" the client may or may not send the body: only closing is unambiguous.
         close = close or self.close_after or not head.keep_alive or (head.expect_continue and head.has_body)
         self._write(error_response(status, message, close=close))
@@ -428,19 +419,19 @@ class ClientConnection(asyncio.Protocol):
         """A request that cannot be read further (malformed head or chunked body): answer and close."""
         ex = self.exchange
         logger.debug("malformed request: %s", exc.message)
-        if ex is not None and ex.begun and not ex.response_done:
-            ex.response_done = True  # Triton got part of it: that connection goes (see _shutdown)
+        if ex is None or ex.response is None:
+            self.state.refuse(PROTOCOL, ex.route if ex is not None else "malformed", str(exc.status), exc.reason)
+        elif not ex.response_done:  # Triton got part of it: that connection goes (see _shutdown)
+            ex.response_done = True
             self.state.end(PROTOCOL, ex.route, str(exc.status), ex.started)
-            if ex.response.head is not None:
+            if ex.response.head is not None:  # Triton already answered: nothing more can be said
                 self._shutdown()
                 return
-        else:
-            self.state.refuse(PROTOCOL, ex.route if ex is not None else "malformed", str(exc.status), exc.reason)
         self._write(error_response(exc.status, exc.message, close=True))
         self._shutdown()
 
     def _write(self, data: bytes) -> None:
-        if self.transport is not None and not self.closed:
+        if self.transport is not None:
             self.transport.write(data)
 
     def _shutdown(self) -> None:
@@ -457,7 +448,7 @@ class ClientConnection(asyncio.Protocol):
             self.transport.resume_reading()
         self.linger = asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
         ex = self.exchange
-        if ex is not None and ex.begun and not ex.request_done:
+        if ex is not None and ex.response is not None and not ex.request_done:
             self._drop_upstream()  # Triton holds part of a request that will never end
 
     def _pause(self, reason: int) -> None:
@@ -469,21 +460,17 @@ class ClientConnection(asyncio.Protocol):
         if not self.paused & reason:
             return
         self.paused &= ~reason
-        if self.paused or self.transport is None or self.closing:
-            return
-        self.transport.resume_reading()
-        if self.buf and self.exchange is None:
-            data, self.buf = self.buf, b""
-            self._consume(data)
+        if not self.paused and self.transport is not None and not self.closing:
+            self.transport.resume_reading()
 
     # ------------------------------------------------------------------------------------ Triton side
 
     def _ensure_upstream(self) -> None:
-        if self.upstream is not None or self.connecting is not None:
+        if self.connecting is not None:
             return
         upstream = self.fe.pool.take()
         if upstream is not None:
-            upstream.attach(self)
+            upstream.owner = self
             self.upstream = upstream
             return
         self._pause(_CONNECTING)
@@ -492,47 +479,49 @@ class ClientConnection(asyncio.Protocol):
     async def _connect(self) -> None:
         try:
             upstream = await self.fe.pool.connect()
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (OSError, asyncio.TimeoutError):
             self.connecting = None
-            self._unavailable(exc)
+            self._unavailable()
             return
         self.connecting = None
         if self.closing:
             self.fe.pool.give(upstream)
             return
-        upstream.attach(self)
+        upstream.owner = self
         self.upstream = upstream
         queued, self.queued = self.queued, []
         for data in queued:
             upstream.write(data)
         self._unpause(_CONNECTING)
 
-    def _unavailable(self, exc: BaseException) -> None:
+    def _unavailable(self) -> None:
         """Triton cannot be reached: 503 for the request waiting on it."""
         self.queued = []
         ex = self.exchange
         if ex is None or ex.response_done or self.closing:
             self._unpause(_CONNECTING)  # nothing waits on Triton now
             return
-        message = "the inference server is unavailable; retry later"
-        if ex.begun:
+        if ex.response is not None:
             self.state.end(PROTOCOL, ex.route, "503", ex.started)
         else:
             self.state.refuse(PROTOCOL, ex.route, "503", "upstream")
         ex.response_done = True
-        self._write(error_response(503, message, close=True))
+        self._write(error_response(503, _UNAVAILABLE, close=True))
         self._shutdown()
 
-    def _begin(self, ex: Exchange, data: bytes = b"") -> None:
+    def _begin(self, ex: Exchange, data: bytes) -> None:
         """Forward: the request is in flight from here on."""
-        ex.begun = True
-        ex.response.close = self.close_after
+        ex.response = ResponseReader(self.fe.response_heads, no_body=ex.judged.head.method == "HEAD")
         ex.started = self.state.begin(PROTOCOL)
-        self._send(data or ex.judged.upstream)
+        upstream = self.upstream
+        if upstream is not None:
+            upstream.write(data)
+        else:
+            self._send(data)
 
     def _send(self, data: bytes | memoryview) -> None:
         if self.upstream is None:
-            self._ensure_upstream()  # the connection went idle-closed since the head was judged
+            self._ensure_upstream()  # none yet, or Triton closed the idle one since
         if self.upstream is not None:
             self.upstream.write(data)
         else:
@@ -540,50 +529,52 @@ class ClientConnection(asyncio.Protocol):
 
     def upstream_data(self, upstream: Upstream, data: bytes) -> None:
         ex = self.exchange
-        if ex is None or not ex.begun or ex.response_done:
+        reader = ex.response if ex is not None else None
+        if ex is None or reader is None or ex.response_done:
             upstream.close()  # Triton spoke out of turn: this connection cannot be trusted any more
             return
-        ex.response.close = self.close_after
+        reader.close = self.close_after
         try:
-            out = ex.response.feed(data)
+            out = reader.feed(data)
         except HttpError as exc:
-            self._upstream_failed(ex, exc.message)
+            self._upstream_failed(ex, reader, exc.message)
             return
-        if out:
-            self._write(out)
-        if ex.response.done:
-            self._response_done(ex)
+        if out and self.transport is not None:
+            self.transport.write(out)
+        if reader.done:
+            self._response_done(ex, reader)
 
-    def _response_done(self, ex: Exchange) -> None:
-        response = ex.response
+    def _response_done(self, ex: Exchange, reader: ResponseReader) -> None:
         ex.response_done = True
-        assert response.head is not None
-        self.state.end(PROTOCOL, ex.route, str(response.head.status), ex.started)
-        if response.head.close or response.extra or not ex.request_done:
+        head = reader.head
+        assert head is not None
+        self.state.end(PROTOCOL, ex.route, head.code, ex.started)
+        if head.close or reader.extra or not ex.request_done:
             self._drop_upstream()
         if not ex.request_done:  # Triton answered before the body ended: the rest cannot follow
             self._shutdown()
-            return
-        self._finish(ex)
+        else:
+            self._finish()
 
     def upstream_lost(self, upstream: Upstream, exc: Exception | None) -> None:
         if upstream is not self.upstream:
             return
         self.upstream = None
         ex = self.exchange
-        if ex is None or not ex.begun or ex.response_done:
+        reader = ex.response if ex is not None else None
+        if ex is None or reader is None or ex.response_done:
             return  # an idle connection: the next request opens a new one
-        if ex.response.eof():
-            self._response_done(ex)  # a response delimited by the close
-            return
-        self._upstream_failed(ex, f"connection to Triton lost: {exc or 'closed'}")
+        if reader.eof():
+            self._response_done(ex, reader)  # a response delimited by the close
+        else:
+            self._upstream_failed(ex, reader, f"connection to Triton lost: {exc or 'closed'}")
 
-    def _upstream_failed(self, ex: Exchange, message: str) -> None:
+    def _upstream_failed(self, ex: Exchange, reader: ResponseReader, message: str) -> None:
         self.fe.pool.failed(message)
         ex.response_done = True
         self.state.end(PROTOCOL, ex.route, "502", ex.started)
         self._drop_upstream()
-        if ex.response.head is None:
+        if reader.head is None:
             self._write(error_response(502, "the inference server closed the connection; retry", close=True))
         self._shutdown()
 
@@ -610,7 +601,7 @@ class Upstream(asyncio.Protocol):
         self.reading_paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         if self.owner is None:
@@ -634,9 +625,6 @@ class Upstream(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.owner is not None:
             self.owner.upstream_resume()
-
-    def attach(self, owner: ClientConnection) -> None:
-        self.owner = owner
 
     def write(self, data: bytes | memoryview) -> None:
         if self.transport is not None and not self.closed:
@@ -669,7 +657,7 @@ class UpstreamPool:
         self.timeout_s = timeout_s
         self.state = state
         self.idle: list[Upstream] = []
-        self.down = False  # last attempt failed (logged once per outage)
+        self.down = False  # the last attempt failed (logged once per outage)
 
     async def connect(self) -> Upstream:
         loop = asyncio.get_running_loop()
