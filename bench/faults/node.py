@@ -1,0 +1,133 @@
+"""A throwaway node for fault scripts: the node folder (repository, staging, leases), a real Triton polling it,
+and the checks that say what Triton made of the models put there."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.triton import TritonServer
+
+from tritonshare.common.errors import TritonUnavailable
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.triton import ModelState, TritonClient
+from tritonshare.common.unload import UnloadSettings, unload_model
+
+TRITONSHARE = str(Path(sys.executable).parent / "tritonshare")
+SETTLED = frozenset({"READY", "UNAVAILABLE"})
+
+
+@dataclass(frozen=True)
+class Node:
+    root: Path
+
+    @property
+    def layout(self) -> NodeLayout:
+        return NodeLayout(repository=self.root / "models", staging=self.root / "staging")
+
+    @property
+    def leases(self) -> Path:
+        return self.root / "leases"
+
+    def create(self) -> Node:
+        for path in (self.layout.repository, self.layout.staging, self.leases):
+            path.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+def start_triton(node: Node) -> TritonServer:
+    return TritonServer(repository=node.layout.repository, log_path=node.root / "triton.log").start()
+
+
+def settle(client: TritonClient, name: str, *, timeout_s: float = 60.0) -> str:
+    """Wait until Triton's index says READY or UNAVAILABLE for ``name``; returns the state (or the last
+    state seen, when the deadline passes first)."""
+    deadline = time.monotonic() + timeout_s
+    state = ""
+    while time.monotonic() < deadline:
+        state = _state(client, name)
+        if state in SETTLED:
+            return state
+        time.sleep(0.1)
+    return state or "NOT SEEN"
+
+
+def _state(client: TritonClient, name: str) -> str:
+    try:
+        states: list[ModelState] = client.model_states(name)
+    except TritonUnavailable:
+        return ""
+    return states[0].state if states else ""
+
+
+def remove(node: Node, triton: TritonServer, name: str) -> bool:
+    """Unload ``name`` as the proxy would (never mid-load); True when Triton stopped serving it."""
+    result = unload_model(UnloadSettings(name=name, layout=node.layout, triton_url=triton.url, timeout_s=60))
+    return result.unloaded
+
+
+# Triton's own words for a model it could not load (model_lifecycle.cc, model_repository_manager.cc).
+_FAILURE = re.compile(r"^E\d{4} .*|.*(failed to load|Poll failed|unexpected directory name|not found).*")
+
+
+def failure_lines(log_text: str, names: set[str]) -> list[str]:
+    """Lines of Triton's log that report a failure about one of ``names``."""
+    out = []
+    for line in log_text.splitlines():
+        if _FAILURE.match(line) and any(f"'{name}'" in line or f"/{name}/" in line for name in names):
+            out.append(line)
+    return out
+
+
+def loaded_count(log_text: str, names: set[str]) -> int:
+    """How many times Triton logged ``successfully loaded 'NAME'`` for one of ``names``."""
+    found = re.findall(r"successfully loaded '([^']+)'", log_text)
+    return sum(1 for name in found if name in names)
+
+
+def run_gc(node: Node, triton: TritonServer, *, ttl_s: float, manage: str) -> subprocess.CompletedProcess[str]:
+    """One pass of ``tritonshare gc`` over the node (the click command of :mod:`tritonshare.node.gc_command`,
+    run in a subprocess through ``tritonshare gc`` once the CLI has it, else directly)."""
+    args = [
+        "--once",
+        "--repository",
+        str(node.layout.repository),
+        "--staging",
+        str(node.layout.staging),
+        "--leases",
+        str(node.leases),
+        "--triton-url",
+        triton.url,
+        "--lease-ttl-s",
+        str(ttl_s),
+        "--manage",
+        manage,
+        "--termination-log",
+        str(node.root / "gc-termination"),
+    ]
+    if _cli_has("gc"):
+        cmd = [TRITONSHARE, "gc", *args]
+    else:
+        code = (
+            "import logging, sys; logging.basicConfig(level=logging.INFO); "
+            "from tritonshare.node.gc_command import gc; gc(sys.argv[1:])"
+        )
+        cmd = [sys.executable, "-c", code, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def _cli_has(command: str) -> bool:
+    out = subprocess.run([TRITONSHARE, command, "--help"], capture_output=True, text=True, timeout=30)
+    return out.returncode == 0
+
+
+def vm_kib(pid: int, field: str) -> int:
+    """A ``/proc/PID/status`` figure in KiB (VmRSS, VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(f"{field} not in /proc/{pid}/status")
