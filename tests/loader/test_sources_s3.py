@@ -15,7 +15,7 @@ from tests.support.storage import Fault, HttpFileServer, MotoS3, RcloneS3, tree_
 from tritonshare.common.errors import SourceAccessDenied, SourceNotFound, TransientSourceError
 from tritonshare.loader.download import DownloadOptions, download_all, list_objects
 from tritonshare.loader.sources import open_source
-from tritonshare.loader.sources.base import RemoteObject
+from tritonshare.loader.sources.base import Checksum, RemoteObject
 from tritonshare.loader.sources.s3 import S3Source
 
 pytestmark = pytest.mark.storage
@@ -169,3 +169,42 @@ def test_an_endpoint_nobody_listens_on_is_transient(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     with pytest.raises(TransientSourceError, match=r"s3://models/m/: connection failed .*check AWS_ENDPOINT_URL"):
         S3Source("s3://models/m").list()
+
+
+def big_object(endpoint: HttpFileServer, size: int = 1_000_000) -> tuple[bytes, RemoteObject]:
+    data = os.urandom(size)
+    (endpoint.root / "models" / "m").mkdir(parents=True)
+    (endpoint.root / "models" / "m" / "big.bin").write_bytes(data)
+    md5 = hashlib.md5(data).hexdigest()
+    obj = RemoteObject(
+        key="m/big.bin", relpath="big.bin", size=size, checksum=Checksum(algorithm="md5", value=md5), version=f'"{md5}"'
+    )
+    return data, obj
+
+
+PARTS = DownloadOptions(concurrency=4, retries=2, backoff_base_s=0.01, stall_timeout_s=0.5, part_bytes=100_000)
+
+
+def test_a_big_object_is_fetched_in_parallel_ranged_parts(fake_endpoint: HttpFileServer, tmp_path: Path) -> None:
+    data, obj = big_object(fake_endpoint)
+    stats = download_all(S3Source("s3://models/m"), [obj], tmp_path, PARTS)
+    assert (tmp_path / "big.bin").read_bytes() == data and stats.bytes == len(data)
+    assert sorted(fake_endpoint.ranges) == [(i, min(i + 100_000, len(data))) for i in range(0, len(data), 100_000)]
+
+
+def test_a_failed_part_is_retried_alone(fake_endpoint: HttpFileServer, tmp_path: Path) -> None:
+    data, obj = big_object(fake_endpoint)
+    fake_endpoint.fail("/models/m/big.bin", Fault(status=503, times=1))
+    stats = download_all(S3Source("s3://models/m"), [obj], tmp_path, PARTS)
+    assert (tmp_path / "big.bin").read_bytes() == data
+    assert stats.retries == 1 and len(fake_endpoint.ranges) == 10  # the refused request served nothing
+
+
+def test_a_corrupted_part_fails_the_checksum_and_the_object_is_fetched_again(
+    fake_endpoint: HttpFileServer, tmp_path: Path
+) -> None:
+    data, obj = big_object(fake_endpoint)
+    fake_endpoint.fail("/models/m/big.bin", Fault(corrupt=True, times=1))
+    download_all(S3Source("s3://models/m"), [obj], tmp_path, PARTS)
+    assert (tmp_path / "big.bin").read_bytes() == data
+    assert [method for method, _ in fake_endpoint.requests].count("GET") == 11  # 10 parts, then whole

@@ -311,6 +311,7 @@ class HttpFileServer:
     port: int = field(default_factory=free_port)
     faults: dict[str, Fault] = field(default_factory=dict)
     requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path) as received
+    ranges: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each ranged GET
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
     _runner: Any = None
@@ -393,6 +394,12 @@ class HttpFileServer:
             return web.Response(status=405)
         data = file.read_bytes()
         response = web.StreamResponse(headers=self._headers(file, data))
+        served = _byte_range(request.headers.get("Range", ""), len(data))
+        if served is not None:  # one "bytes=A-B" range, as S3 clients ask for parts
+            self.ranges.append(served)
+            response.set_status(206)
+            response.headers["Content-Range"] = f"bytes {served[0]}-{served[1] - 1}/{len(data)}"
+            data = data[served[0] : served[1]]
         response.content_length = len(data)
         await response.prepare(request)
         if request.method == "GET":
@@ -424,6 +431,13 @@ class HttpFileServer:
         for start in range(0, len(data), 1 << 20):
             await response.write(view[start : start + (1 << 20)])
         await response.write_eof()
+
+
+def _byte_range(header: str, size: int) -> tuple[int, int] | None:
+    if not header.startswith("bytes=") or "," in header:
+        return None
+    first, _, last = header[len("bytes=") :].partition("-")
+    return int(first), min(size, int(last) + 1) if last else size
 
 
 def environ_with(*servers: Any) -> dict[str, str]:

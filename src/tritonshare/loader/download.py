@@ -1,7 +1,9 @@
 """The download engine: many objects from one source into a fresh folder, fast and bounded.
 
 * Concurrent across objects: ``options.concurrency`` threads share the one source (its SDK client and
-  connection pool); the largest objects start first so a big file does not finish last alone.
+  connection pool); the largest objects start first so a big file does not finish last alone. Objects
+  larger than two ``part_bytes`` are fetched as ranged parts by the same threads when the source can
+  (:class:`RangedSource`): one connection to S3 carries ~100 MB/s, a model file may be many GiB.
 * Bounded memory: sources stream in fixed chunks (:mod:`tritonshare.loader.sources.stream`).
 * Retried: an attempt that fails with :class:`TransientSourceError` (network, 5xx, throttling, a stalled
   read, a size or checksum mismatch) is repeated after an exponential backoff with jitter, up to
@@ -26,8 +28,9 @@ from base64 import b64encode
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path, PurePosixPath
-from typing import TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 from tritonshare.common.errors import (
     InsufficientSpace,
@@ -37,7 +40,7 @@ from tritonshare.common.errors import (
     UnsafeArchive,
 )
 from tritonshare.loader.settings import LoaderSettings
-from tritonshare.loader.sources.base import Checksum, RemoteObject, Source
+from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, Source
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,7 @@ class DownloadOptions:
     # Sizes are always checked. The checksum pass re-reads each file: MD5 costs ~2 CPU-s per GiB here,
     # CRC32C far less; off only to measure what verification costs (bench/loader_bench.py).
     verify_checksums: bool = True
+    part_bytes: int = 32 * MIB  # objects over twice this are fetched in ranged parts, when the source can
 
     @classmethod
     def from_settings(cls, settings: LoaderSettings) -> DownloadOptions:
@@ -89,6 +93,27 @@ class DownloadStats:
     @property
     def mib_per_s(self) -> float:
         return self.bytes / MIB / self.seconds if self.seconds > 0 else 0.0
+
+
+@runtime_checkable
+class RangedSource(Protocol):
+    """What a source adds to be fetched in parallel parts (S3 has it)."""
+
+    def fetch_range(
+        self, obj: RemoteObject, dest: Path, offset: int, length: int, progress: Progress, stall_timeout_s: float
+    ) -> int:
+        """Write bytes ``offset`` to ``offset + length`` of ``obj`` into the existing file ``dest`` at the
+        same offset; return how many were written. Errors as for ``Source.fetch``."""
+        ...
+
+
+@dataclass
+class _Split:
+    """An object fetched as ranged parts; the thread finishing the last part verifies it."""
+
+    obj: RemoteObject
+    target: Path
+    parts_left: int
 
 
 class _Cancelled(TritonshareError):
@@ -175,10 +200,11 @@ class _Transfer:
 
     def run(self, plan: list[tuple[RemoteObject, Path]]) -> DownloadStats:
         self.total = listed_bytes(obj for obj, _ in plan)
-        workers = max(1, min(self.options.concurrency, len(plan)))
+        tasks = [task for obj, target in plan for task in self._tasks(obj, target)]
+        workers = max(1, min(self.options.concurrency, len(tasks)))
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tritonshare-download")
         try:
-            futures = [pool.submit(self._object, obj, target) for obj, target in plan]
+            futures = [pool.submit(task) for task in tasks]
             self._wait(futures, len(plan))
         finally:
             self.cancelled.set()  # a no-op after success; after a failure it stops the other workers
@@ -231,12 +257,44 @@ class _Transfer:
             "or check the network to the store"
         )
 
+    def _tasks(self, obj: RemoteObject, target: Path) -> list[Callable[[], None]]:
+        part = self.options.part_bytes
+        if part <= 0 or obj.size <= 2 * part or not isinstance(self.source, RangedSource):
+            return [lambda: self._object(obj, target)]
+        try:
+            with open(target, "wb") as fh:
+                fh.truncate(obj.size)  # sparse: the parts fill it in place
+        except OSError as exc:
+            raise _write_error(target, exc) from exc
+        offsets = range(0, obj.size, part)
+        split = _Split(obj=obj, target=target, parts_left=len(offsets))
+        return [partial(self._part, split, offset, min(part, obj.size - offset)) for offset in offsets]
+
     def _object(self, obj: RemoteObject, target: Path) -> None:
         _retrying(lambda: self._attempt(obj, target), self.options, self._pause, self.rand)
         with self.lock:
             self.objects_done += 1
 
-    def _attempt(self, obj: RemoteObject, target: Path) -> None:
+    def _part(self, split: _Split, offset: int, length: int) -> None:
+        _retrying(
+            lambda: self._attempt(split.obj, split.target, (offset, length)), self.options, self._pause, self.rand
+        )
+        with self.lock:
+            split.parts_left -= 1
+            if split.parts_left:
+                return
+        try:
+            verify(split.obj, split.target, checksum=self.options.verify_checksums)
+        except TransientSourceError as exc:  # the parts do not add up: fetch it again, in one piece
+            logger.warning("%s — fetching it again in one piece", exc)
+            with self.lock:
+                self.bytes_done -= split.obj.size
+            self._object(split.obj, split.target)
+            return
+        with self.lock:
+            self.objects_done += 1
+
+    def _attempt(self, obj: RemoteObject, target: Path, part: tuple[int, int] | None = None) -> None:
         if self.cancelled.is_set():
             raise _Cancelled(f"{obj.key}: cancelled")
         landed = 0
@@ -250,14 +308,25 @@ class _Transfer:
                 self.bytes_done += count
 
         try:
-            self.source.fetch(obj, target, progress, self.options.stall_timeout_s)
-            verify(obj, target, checksum=self.options.verify_checksums)
+            self._transfer(obj, target, part, progress)
         except BaseException as exc:
             with self.lock:
                 self.bytes_done -= landed
             if isinstance(exc, OSError):
                 raise _write_error(target, exc) from exc
             raise
+
+    def _transfer(self, obj: RemoteObject, target: Path, part: tuple[int, int] | None, progress: Progress) -> None:
+        stall = self.options.stall_timeout_s
+        if part is None:
+            self.source.fetch(obj, target, progress, stall)
+            verify(obj, target, checksum=self.options.verify_checksums)
+            return
+        assert isinstance(self.source, RangedSource)
+        offset, length = part
+        written = self.source.fetch_range(obj, target, offset, length, progress, stall)
+        if written != length:
+            raise TransientSourceError(f"{obj.key}: bytes {offset}-{offset + length - 1}: got {written} bytes")
 
     def _pause(self, delay: float) -> None:
         """Wait before a retry: never past the deadline, and no longer once the download is cancelled."""

@@ -7,6 +7,7 @@ destination (a full disk) are left as ``OSError`` for the download engine to cla
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +27,24 @@ def copy_to_file(read_into: ReadInto, dest: Path, progress: Progress, *, chunk_b
             out.write(buffer[:count])
             total += count
             progress(count)
+    return total
+
+
+def copy_to_range(read_into: ReadInto, dest: Path, offset: int, length: int, progress: Progress) -> int:
+    """Stream at most ``length`` bytes from ``read_into`` into the existing file ``dest`` at ``offset``
+    (one part of a ranged download; other parts are written by other threads). Returns the byte count."""
+    buffer = memoryview(bytearray(min(CHUNK_BYTES, max(length, 1))))
+    total = 0
+    fd = os.open(dest, os.O_WRONLY)
+    try:
+        while total < length and (count := read_into(buffer[: min(len(buffer), length - total)])):
+            written = 0
+            while written < count:
+                written += os.pwrite(fd, buffer[written:count], offset + total + written)
+            total += count
+            progress(count)
+    finally:
+        os.close(fd)
     return total
 
 
