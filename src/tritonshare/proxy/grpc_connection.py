@@ -246,13 +246,16 @@ class ClientConnection(asyncio.Protocol):
         pos, end = start + self._skip_preface(data, start), len(data)
         chunks: list[bytes | memoryview] = []
         run = start  # bytes from here on are forwarded as they are (the preface included)
-        handlers = self._handlers
+        handlers, unpack = self._handlers, http2.FRAME_HEADER.unpack_from
         while end - pos >= http2.HEADER_SIZE:
-            length, kind, flags, stream_id = http2.parse_header(data, pos)
-            stop = pos + http2.HEADER_SIZE + length
+            high, low, kind, flags, stream_id = unpack(data, pos)
+            stop = pos + http2.HEADER_SIZE + (high << 16 | low)
             if stop > end:
                 break
-            replacement = handlers[kind](data, pos, stop, flags, stream_id) if kind < 10 else None
+            if kind < 10:
+                replacement = handlers[kind](data, pos, stop, flags, stream_id & http2.STREAM_ID_MASK)
+            else:
+                replacement = None  # an extension frame: passed on (receivers ignore unknown types)
             if replacement is not None:
                 if run < pos:
                     chunks.append(memoryview(data)[run:pos])

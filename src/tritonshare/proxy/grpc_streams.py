@@ -68,7 +68,10 @@ class StreamTable:
 
     def forget_local(self, stream_id: int) -> bool:
         """The client reset a stream the proxy answered; True if it was one."""
-        return self.local.pop(stream_id, 0) is None
+        if stream_id not in self.local:
+            return False
+        del self.local[stream_id]
+        return True
 
     def end_all(self, code: str) -> None:
         streams, self.active = self.active, {}

@@ -92,6 +92,7 @@ class UpstreamConnection(asyncio.Protocol):
         end = len(data)
         chunks: list[bytes | memoryview] = []
         pos = run = self._continue_frame(data, chunks)
+        unpack, reset = http2.FRAME_HEADER.unpack_from, self._owner.reset_streams
         if self._mode == _PASS:
             run = 0
         while pos < end:
@@ -101,11 +102,16 @@ class UpstreamConnection(asyncio.Protocol):
                 self._head = data[pos:]
                 end = pos
                 break
-            length, kind, flags, stream_id = http2.parse_header(data, pos)
+            high, low, kind, flags, stream_id = unpack(data, pos)
+            length = high << 16 | low
             stop = pos + http2.HEADER_SIZE + length
-            if kind == http2.HEADERS or kind == http2.CONTINUATION:
-                self._in_block = not flags & http2.END_HEADERS
-            mode = self._classify(kind, flags, stream_id, length)
+            stream_id &= http2.STREAM_ID_MASK
+            if kind == http2.DATA and not flags & http2.END_STREAM and stream_id not in reset:
+                mode = _PASS  # the common case, decided without a call
+            else:
+                if kind == http2.HEADERS or kind == http2.CONTINUATION:
+                    self._in_block = not flags & http2.END_HEADERS
+                mode = self._classify(kind, flags, stream_id, length)
             if mode == _PASS:
                 pos = min(stop, end)
                 self._left, self._mode = stop - pos, _PASS

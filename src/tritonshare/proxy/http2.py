@@ -37,7 +37,10 @@ INTERNAL_ERROR = 0x2
 REFUSED_STREAM = 0x7
 CANCEL = 0x8
 
-_HEADER = struct.Struct(">BHBBL")  # length (24 bits as 8 + 16), type, flags, stream id (with the R bit)
+# Length (24 bits, as 8 + 16), type, flags, stream id (mask the reserved bit: & STREAM_ID_MASK). Hot loops
+# unpack with it directly; elsewhere use parse_header.
+FRAME_HEADER = struct.Struct(">BHBBL")
+STREAM_ID_MASK = 0x7FFF_FFFF
 _U32 = struct.Struct(">L")
 _GOAWAY = struct.Struct(">LL")
 
@@ -48,13 +51,13 @@ class FrameError(Exception):
 
 def parse_header(buf: bytes | bytearray | memoryview, pos: int) -> tuple[int, int, int, int]:
     """(payload length, type, flags, stream id) of the frame header at ``buf[pos:pos + 9]``."""
-    high, low, kind, flags, stream_id = _HEADER.unpack_from(buf, pos)
-    return (high << 16) | low, kind, flags, stream_id & 0x7FFF_FFFF
+    high, low, kind, flags, stream_id = FRAME_HEADER.unpack_from(buf, pos)
+    return (high << 16) | low, kind, flags, stream_id & STREAM_ID_MASK
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     length = len(payload)
-    return _HEADER.pack(length >> 16, length & 0xFFFF, kind, flags, stream_id) + payload
+    return FRAME_HEADER.pack(length >> 16, length & 0xFFFF, kind, flags, stream_id) + payload
 
 
 def rst_stream(stream_id: int, error_code: int) -> bytes:
