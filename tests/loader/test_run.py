@@ -34,7 +34,7 @@ from tritonshare.common.layout import NodeLayout
 from tritonshare.common.repository import RECORD_FILE, read_record
 from tritonshare.common.triton import TritonClient
 from tritonshare.loader.install import withdraw
-from tritonshare.loader.run import run
+from tritonshare.loader.run import record_uri, run
 from tritonshare.loader.settings import LoaderSettings
 
 pytestmark = pytest.mark.triton
@@ -263,3 +263,15 @@ def test_no_partial_folder_is_ever_visible_while_a_large_model_downloads(
     assert not [s for s in seen if s.startswith("partial") or s == "listed-without-folder"], seen[:5]
     assert seen.count("absent") >= 10 and seen.count("complete") >= 1  # it watched during the download
     infer_identity(triton, model_name)
+
+
+@pytest.mark.parametrize(
+    ("uri", "recorded"),
+    [
+        ("https://user:secret@host/m.tgz?x=1", "https://host/m.tgz?x=1"),
+        ("s3://bucket/team/m", "s3://bucket/team/m"),
+        ("/models/m", "/models/m"),
+    ],
+)
+def test_credentials_in_a_source_uri_are_never_recorded_on_the_node(uri: str, recorded: str) -> None:
+    assert record_uri(uri) == recorded
