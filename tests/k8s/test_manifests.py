@@ -18,17 +18,13 @@ import pytest
 import yaml
 
 from tests.k8s.conftest import BUILDS, OVERLAYS
-from tests.k8s.kustomize import K8S, KUBERNETES_VERSION, Build, Container, containers, name_of, pod_spec
+from tests.k8s.hardening import check_bounded, check_hardened
+from tests.k8s.kustomize import K8S, KUBERNETES_VERSION, Build, containers, name_of, pod_spec
 from tritonshare import __version__ as PROJECT_VERSION
 
 # Images as the bases name them; the overlays pin them with `images:`.
 PLACEHOLDER_IMAGES = {"tritonshare", "tritonserver"}
 TRITONSHARE_IMAGE = re.compile(r"^(?:.+/)?tritonshare(?::|@|$)")
-
-# The one container allowed to run as root, and exactly how (k8s/base/triton/daemonset.yaml says why:
-# the kubelet creates the hostPath folder root-owned and fsGroup does not apply to hostPath, so someone
-# must chown it once for the non-root loader). Anything else running as root fails the suite.
-ROOT_EXCEPTIONS = {("DaemonSet", "node-folder"): {"add": ["CHOWN"], "mounts": ["node-folder"]}}
 
 # Custom resources (no Kubernetes schema to check them against), each with the reason it is here. Anything
 # else without a schema is a typo in apiVersion/kind and fails.
@@ -161,32 +157,6 @@ def test_overlays_replace_every_placeholder(overlay_builds: dict[str, Build], ov
 # --- hardened, bounded containers -------------------------------------------------------------------------
 
 
-def _check_hardened(c: Container) -> None:
-    exception = ROOT_EXCEPTIONS.get((c.workload["kind"], c.name))
-    sc = c.spec.get("securityContext", {})
-    assert isinstance(c.effective("runAsUser"), int), f"{c.where}: runAsUser must be numeric"
-    assert sc.get("allowPrivilegeEscalation") is False, f"{c.where}: allowPrivilegeEscalation must be false"
-    assert sc.get("readOnlyRootFilesystem") is True, f"{c.where}: readOnlyRootFilesystem must be true"
-    assert sc.get("privileged", False) is False, f"{c.where}: privileged"
-    assert sc.get("capabilities", {}).get("drop") == ["ALL"], f"{c.where}: capabilities must drop ALL"
-    assert (c.effective("seccompProfile") or {}).get("type") == "RuntimeDefault", f"{c.where}: seccomp"
-    if exception is None:
-        assert c.effective("runAsNonRoot") is True, f"{c.where}: runAsNonRoot must be true"
-        assert c.effective("runAsUser") != 0, f"{c.where}: runs as root"
-        assert "add" not in sc.get("capabilities", {}), f"{c.where}: adds capabilities"
-    else:
-        assert sc["capabilities"].get("add") == exception["add"], f"{c.where}: the root exception grew"
-        assert [m["name"] for m in c.spec.get("volumeMounts", [])] == exception["mounts"], c.where
-        assert c.init, f"{c.where}: the root exception is for a run-once init container only"
-
-
-def _check_bounded(c: Container) -> None:
-    resources = c.spec.get("resources", {})
-    for kind in ("requests", "limits"):
-        missing = {"cpu", "memory"} - set(resources.get(kind, {}))
-        assert not missing, f"{c.where}: resources.{kind} lacks {sorted(missing)}"
-
-
 @pytest.mark.parametrize("name", BUILDS)
 def test_every_container_is_hardened_and_bounded(builds: dict[str, Build], name: str) -> None:
     checked = 0
@@ -196,8 +166,8 @@ def test_every_container_is_hardened_and_bounded(builds: dict[str, Build], name:
         for flag in ("hostNetwork", "hostPID", "hostIPC"):
             assert not spec.get(flag, False), f"{name_of(workload)}: {flag}"
         for c in containers(workload):
-            _check_hardened(c)
-            _check_bounded(c)
+            check_hardened(c)
+            check_bounded(c)
             checked += 1
     assert checked, f"{name} builds no containers"
 
