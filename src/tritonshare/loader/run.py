@@ -111,7 +111,7 @@ def _fetch_and_install(
             return Installed(settings.layout.model_dir(settings.name), reused=True)
         with timings.phase("space"):
             check_space(settings.layout.staging, listed_bytes(objects), free, record.source)
-        return _stage(settings, source, objects, record, timings, free)
+        return _stage(settings, source, objects, record, options, timings, free)
     finally:
         source.close()
 
@@ -121,6 +121,7 @@ def _stage(
     source: Source,
     objects: list[RemoteObject],
     record: InstallRecord,
+    options: DownloadOptions,
     timings: Timings,
     free: DiskFree,
 ) -> Installed:
@@ -130,7 +131,7 @@ def _stage(
         files = workspace / "download"
         files.mkdir()
         with timings.phase("download"):
-            download_all(source, objects, files, DownloadOptions.from_settings(settings))
+            download_all(source, objects, files, options)
         top = _unpack_if_archive(files, objects, workspace, free, timings)
         with timings.phase("check"):
             root = prepare(top, settings.name, record.source)
