@@ -214,7 +214,9 @@ def _runtime(dockerfile: Dockerfile, venv: Path, base_env: dict[str, str]) -> Im
     return Image(venv=venv, env=env, entrypoint=entrypoint)
 
 
+# The first run downloads the dependencies from PyPI, as `docker build` would; later runs reuse the layer.
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_installed_image_runs_every_command(image: Image) -> None:
     for args in (["--help"], *([sub, "--help"] for sub in sorted(cli.commands))):
         proc = image.run(*args)
@@ -225,6 +227,7 @@ def test_installed_image_runs_every_command(image: Image) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_image_runs_the_installed_package_not_the_source_tree(image: Image) -> None:
     python = image.venv / "bin" / "python"
     probe = "import tritonshare, sys; print(tritonshare.__file__); print(sys.prefix)"
@@ -232,5 +235,7 @@ def test_image_runs_the_installed_package_not_the_source_tree(image: Image) -> N
     module, prefix = proc.stdout.split()
     assert Path(module).is_relative_to(image.venv), f"imported {module}, not the installed copy"
     assert Path(prefix) == image.venv
-    assert not list(Path(module).parent.glob("*.egg-link")) and (Path(module).parent / "py.typed").exists()
+    assert (Path(module).parent / "py.typed").exists(), "the typing marker is missing from the wheel"
+    site = Path(module).parent.parent
+    assert not [p.name for p in site.glob("__editable__*")], "an editable install, not the image's copy"
     assert os.access(image.venv / "bin" / "tritonshare", os.X_OK)
