@@ -243,6 +243,13 @@ def kill_once(
     judge_folder(node, triton, kind, name, tally)
 
 
+def loader_added(files: set[str]) -> set[str]:
+    """Files the loader adds to a model by design: its install record, and a plain ``__pycache__`` file beside
+    each Python module (so Triton writes no bytecode into the published folder)."""
+    caches = {(Path(rel).parent / "__pycache__").as_posix() for rel in files if rel.endswith(".py")}
+    return {RECORD_FILE} | caches
+
+
 def phase_at_kill(log_text: str) -> str:
     done = _PHASE_DONE.findall(log_text)
     return NEXT_PHASE.get(done[-1] if done else "", "?")
@@ -267,9 +274,10 @@ def installed_problem(folder: Path, kind: SourceKind, name: str) -> str | None:
     """None when ``folder`` is exactly what installing ``kind`` as ``name`` must give; else what differs."""
     expected = {p.relative_to(kind.model).as_posix() for p in kind.model.rglob("*") if p.is_file()}
     found = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
-    if found != expected | {RECORD_FILE}:
-        extra = sorted(found - expected - {RECORD_FILE})[:5]
-        return f"files differ: missing {sorted((expected | {RECORD_FILE}) - found)[:5]}, extra {extra}"
+    missing = sorted((expected | {RECORD_FILE}) - found)
+    extra = sorted(found - expected - loader_added(expected))
+    if missing or extra:
+        return f"files differ: missing {missing[:5]}, extra {extra[:5]}"
     for rel in sorted(expected):
         want = (kind.model / rel).read_bytes()
         if rel == "config.pbtxt":

@@ -6,7 +6,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,39 @@ class Node:
         for path in (self.layout.repository, self.layout.staging, self.leases):
             path.mkdir(parents=True, exist_ok=True)
         return self
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    code: int
+    log: str  # the loader's stderr
+    message: str  # its termination message ("" when none was written)
+    seconds: float
+
+
+def run_load(node: Node, triton_url: str, source: str, name: str, *extra: str, timeout_s: float = 110) -> LoadOutcome:
+    """``tritonshare load SOURCE --name NAME`` into ``node``, as an init container runs it."""
+    # Not in the node folder: that disk may be the one that is full.
+    termination = Path(tempfile.gettempdir()) / f"tritonshare-termination-{uuid.uuid4().hex}"
+    cmd = [
+        TRITONSHARE, "load", source, "--name", name,
+        "--repository", str(node.layout.repository), "--staging", str(node.layout.staging),
+        "--triton-url", triton_url, "--termination-log", str(termination), *extra,
+    ]  # fmt: skip
+    started = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    seconds = time.monotonic() - started
+    message = termination.read_text() if termination.exists() else ""
+    termination.unlink(missing_ok=True)
+    return LoadOutcome(out.returncode, out.stderr, message, seconds)
+
+
+def entries(node: Node) -> set[str]:
+    """What the repository and staging hold, as ``models/NAME`` and ``staging/ENTRY``."""
+    layout = node.layout
+    return {f"models/{p.name}" for p in layout.repository.iterdir()} | {
+        f"staging/{p.name}" for p in layout.staging.iterdir()
+    }
 
 
 def start_triton(node: Node) -> TritonServer:
