@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, check_json
+from tritonshare.proxy.http1 import ChunkedReader
+from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_json
 
 CLEAN: dict[str, Any] = {
     "id": "shared_memory_region",  # the words as a value are fine: only keys are parameters
@@ -120,3 +121,46 @@ def test_a_gzip_bomb_is_stopped_without_inflating_it() -> None:
 def test_a_short_body_for_the_declared_json_length_is_refused() -> None:
     refusal = _refused(_check, b'{"inputs": []}', json_length=100)
     assert refusal.status == 400 and "Inference-Header-Content-Length" in refusal.message
+
+
+def test_a_gzip_header_that_inflates_to_nothing_is_bounded() -> None:
+    comment = b"c" * (3 << 20)  # FCOMMENT: consumed by the inflater, no output
+    header = b"\x1f\x8b\x08\x10" + b"\x00" * 6 + comment + b"\x00"
+    check = _new("gzip", None, 1024)
+    refusal = _refused(lambda: [check.feed(header[i : i + 65536]) for i in range(0, len(header), 65536)])
+    assert refusal.status == 413
+
+
+def _body_out(body: RequestBody) -> bytes:
+    return b"".join(bytes(p) for p in body.take())
+
+
+def test_request_body_holds_until_the_check_passes_then_rechunks() -> None:
+    doc = json.dumps(CLEAN).encode()
+    wire = b"".join(b"%x;e=1\r\n%s\r\n" % (len(p), p) for p in (doc[:10], doc[10:])) + b"0\r\nX-T: 1\r\n\r\nNEXT"
+    body = RequestBody(0, True, _new("", None, 1 << 20))
+    assert body.feed(wire[:30]) == -1 and not body.ready and _body_out(body) == b""
+    end = body.feed(wire[30:])
+    assert body.ready and body.refusal is None and wire[30 + end :] == b"NEXT"
+    rechunked, payload = _body_out(body), []
+    assert ChunkedReader().feed(rechunked, 0, payload) == len(rechunked)  # one whole, well-formed chunked body
+    assert b"".join(payload) == doc and b";e=1" not in rechunked and b"X-T" not in rechunked
+
+
+def test_request_body_refusal_drops_the_rest_and_finds_its_end() -> None:
+    bad = json.dumps(_with_shm("output")).encode()
+    tail = b"\x00" * 5000
+    body = RequestBody(len(bad) + len(tail), False, _new("", len(bad), 1 << 20))
+    assert body.feed(bad[:20]) == -1
+    assert body.feed(bad[20:] + tail[:100]) == -1
+    assert body.refusal is not None and body.refusal.reason == "shared_memory" and not body.ready
+    assert body.feed(tail[100:] + b"NEXT") == len(tail) - 100
+    assert _body_out(body) == b""
+
+
+def test_request_body_without_check_streams_and_a_dropped_one_forgets() -> None:
+    body = RequestBody(6, False)
+    assert body.ready and body.feed(b"abc") == -1 and _body_out(body) == b"abc"
+    assert body.feed(b"defGHI") == 3 and _body_out(body) == b"def"
+    dropped = RequestBody(0, True).drop()
+    assert dropped.feed(b"3\r\nabc\r\n0\r\n\r\n") == 13 and _body_out(dropped) == b""

@@ -1,4 +1,5 @@
-"""The infer-body check: an inference request must not name a shared-memory parameter (REFERENCE §3).
+"""The request body on its way to Triton, and the infer-body check: an inference request must not name a
+shared-memory parameter (REFERENCE §3).
 
 Shared-memory parameters (``shared_memory_region`` ...) make Triton read inputs from, or write outputs to, a
 region registered by whoever registered it — another tenant's memory. The proxy refuses any request whose
@@ -16,6 +17,9 @@ What the JSON is, read the way Triton reads it (``http_server.cc``):
 Only the JSON part is held, bounded by ``max_json_bytes`` (more is a 413); compressed input is inflated only
 as far as that part, in bounded steps, so a gzip bomb cannot blow memory. The fast path: JSON that contains
 neither ``shared_memory_`` nor a ``\\u`` escape cannot spell such a key, so it is not parsed.
+
+:class:`RequestBody` carries one body through: read through its framing, held by the check until the JSON
+part is judged, then handed out re-framed for Triton.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import zlib
 from typing import Any
 
+from tritonshare.proxy.http1 import LAST_CHUNK, ChunkedReader, chunk
 from tritonshare.proxy.policy import SHM_MARKER, SHM_PARAMETERS
 
 # Content-Encoding -> zlib wbits (None: the body is not encoded). Both compressed forms are read with automatic
@@ -167,6 +172,96 @@ class InferBodyCheck:
         # Triton stops at the end of the first stream; anything after it could be read two ways.
         if extra:
             raise BodyRefused(400, "data follows the end of the compressed body", "encoding")
+
+
+class RequestBody:
+    """One request's body: read through its framing (Content-Length or chunked), held by the check (if any)
+    until its JSON part is judged, and handed out re-framed for Triton (a chunked body is re-chunked, without
+    chunk extensions or trailers).
+
+    :meth:`feed` consumes client bytes and returns the index just past the body's end (-1: more to come); what
+    may go to Triton now is collected by :meth:`take`. ``ready`` turns True when the check passes (the head
+    goes first); ``refusal`` is set if it fails, and from then on, as after :meth:`drop`, the rest of the body
+    is read and dropped. Malformed chunked framing raises :class:`~tritonshare.proxy.http1.HttpError`.
+    """
+
+    __slots__ = ("left", "chunks", "check", "ready", "refusal", "dropping", "_out")
+
+    def __init__(self, length: int, chunked: bool, check: InferBodyCheck | None = None) -> None:
+        self.left = length
+        self.chunks = ChunkedReader(400) if chunked else None
+        self.check = check
+        self.ready = check is None
+        self.refusal: BodyRefused | None = None
+        self.dropping = False
+        self._out: list[bytes | memoryview] = []
+
+    def drop(self) -> RequestBody:
+        """The proxy answered the request: read the rest of its body and forget it."""
+        self.dropping = True
+        self.check = None
+        self._out = []
+        return self
+
+    def feed(self, data: bytes) -> int:
+        if self.chunks is not None:
+            payload: list[memoryview] = []
+            end = self.chunks.feed(data, 0, payload)
+            for piece in payload:
+                self._payload(piece)
+        else:
+            end = min(self.left, len(data))
+            self.left -= end
+            self._payload(data if end == len(data) else memoryview(data)[:end])
+            end = -1 if self.left else end
+        if end >= 0:
+            self._end()
+        return end
+
+    def take(self) -> list[bytes | memoryview]:
+        out, self._out = self._out, []
+        return out
+
+    def _payload(self, part: bytes | memoryview) -> None:
+        if not part or self.dropping:
+            return
+        if self.check is None:
+            self._emit(part)
+            return
+        try:
+            held = self.check.feed(part)
+        except BodyRefused as exc:
+            self._refuse(exc)
+            return
+        if held is not None:
+            self._pass(held)
+
+    def _end(self) -> None:
+        if self.check is not None and not self.dropping:
+            try:
+                held = self.check.finish()
+            except BodyRefused as exc:
+                self._refuse(exc)
+                return
+            self._pass(held)
+        if self.chunks is not None and not self.dropping:
+            self._out.append(LAST_CHUNK)
+
+    def _pass(self, held: list[bytes | memoryview]) -> None:
+        self.check = None
+        self.ready = True
+        for part in held:
+            self._emit(part)
+
+    def _refuse(self, exc: BodyRefused) -> None:
+        self.refusal = exc
+        self.drop()
+
+    def _emit(self, part: bytes | memoryview) -> None:
+        if self.chunks is None:
+            self._out.append(part)
+        else:
+            self._out.extend(chunk(part))
 
 
 def _short(json_length: int, body_length: int) -> BodyRefused:

@@ -28,18 +28,15 @@ from typing import cast
 
 from tritonshare.proxy.http1 import (
     CONTINUE,
-    LAST_CHUNK,
-    ChunkedReader,
     HttpError,
     RequestHead,
     ResponseHead,
     ResponseReader,
-    chunk,
     error_response,
     parse_request_head,
     upstream_head,
 )
-from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, check_plain_body
+from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_plain_body
 from tritonshare.proxy.policy import RestDecision, judge_rest
 from tritonshare.proxy.state import ProxyState
 
@@ -146,16 +143,12 @@ class RestFrontend:
 class Exchange:
     """One request on a client connection, from its head to the end of its response."""
 
-    __slots__ = ("judged", "route", "left", "chunks", "check", "discard", "response", "started", "request_done",
-                 "response_done")  # fmt: skip
+    __slots__ = ("judged", "route", "body", "response", "started", "request_done", "response_done")
 
     def __init__(self, judged: Judged) -> None:
         self.judged = judged
         self.route = judged.decision.route
-        self.left = judged.head.content_length or 0  # body bytes still to read (Content-Length framing)
-        self.chunks = ChunkedReader(400) if judged.head.chunked else None
-        self.check: InferBodyCheck | None = None  # holds the body until its JSON part is judged
-        self.discard = False  # the proxy answered: the body is read and dropped
+        self.body: RequestBody | None = None  # a body still to read
         self.response: ResponseReader | None = None  # set once forwarded (counted in flight from then on)
         self.started = 0.0
         self.request_done = False
@@ -274,16 +267,15 @@ class ClientConnection(asyncio.Protocol):
             self.drain_grace = False
             if not judged.head.keep_alive:
                 self.close_after = True
-            if judged.whole and len(rest) >= ex.left:
+            if judged.whole and len(rest) >= (judged.head.content_length or 0):
                 return self._forward_whole(ex, rest)
             return self._forward(ex, rest)
-        if not judged.head.has_body:
-            self._request_done(ex)
         return rest
 
     def _forward_whole(self, ex: Exchange, rest: bytes) -> bytes:
         """The common case: the whole plain body came with its head. Check it; head and body in one write."""
-        judged, size = ex.judged, ex.left
+        judged = ex.judged
+        size = judged.head.content_length or 0
         body = rest if len(rest) == size else rest[:size]
         if judged.inspect:
             try:
@@ -291,7 +283,6 @@ class ClientConnection(asyncio.Protocol):
             except BodyRefused as exc:
                 self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
                 return rest  # the body is read and dropped
-        ex.left = 0
         ex.request_done = True
         if size <= _WHOLE_BODY_BYTES:
             self._begin(ex, judged.upstream + body if size else judged.upstream)
@@ -302,88 +293,49 @@ class ClientConnection(asyncio.Protocol):
 
     def _forward(self, ex: Exchange, rest: bytes) -> bytes:
         """A body still to come (or chunked, or encoded): hold it for the check if needed, else stream it."""
-        head = ex.judged.head
+        judged, head = ex.judged, ex.judged.head
         if self.upstream is None:
             self._ensure_upstream()  # connect while the body arrives
-        if ex.judged.inspect and ex.judged.json_length != 0:
+        check = None
+        if judged.inspect and judged.json_length != 0:
             try:
-                ex.check = InferBodyCheck(
+                check = InferBodyCheck(
                     encoding=head.content_encoding,
-                    json_length=ex.judged.json_length,
+                    json_length=judged.json_length,
                     max_json_bytes=self.fe.max_json_bytes,
                 )
             except BodyRefused as exc:
                 self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
                 return rest
+        ex.body = RequestBody(head.content_length or 0, head.chunked, check)
         if head.expect_continue:
             self._write(CONTINUE)
-        if ex.check is None:
-            self._begin(ex, ex.judged.upstream)
+        if check is None:
+            self._begin(ex, judged.upstream)
         if not head.has_body:
             self._request_done(ex)
         return rest
 
     def _read_body(self, ex: Exchange, data: bytes) -> bytes:
-        if ex.chunks is None:
-            size = ex.left
-            part, rest = (data, b"") if len(data) <= size else (data[:size], data[size:])
-            ex.left -= len(part)
-            self._body_part(ex, part)
-            if not ex.left and not self.closing:
-                self._body_end(ex)
-            return rest
-        payload: list[memoryview] = []
+        body = ex.body
+        assert body is not None
+        was_ready = body.ready
         try:
-            end = ex.chunks.feed(data, 0, payload)
+            end = body.feed(data)
         except HttpError as exc:
             self._fail(exc)
             return b""
-        for piece in payload:
-            self._body_part(ex, piece)
+        refusal = body.refusal
+        if refusal is not None and not ex.response_done:
+            self._refuse(ex, refusal.status, refusal.message, refusal.reason, close=refusal.status == 413)
+        elif body.ready and not was_ready:
+            self._begin(ex, ex.judged.upstream)  # the check passed: the head, then what was held
+        for piece in body.take():
+            self._send(piece)
         if end < 0 or self.closing:
             return b""
-        self._body_end(ex)
-        return data[end:]
-
-    def _body_part(self, ex: Exchange, part: bytes | memoryview) -> None:
-        if ex.discard or not part:
-            return
-        if ex.check is None:
-            self._send_payload(ex, part)
-            return
-        try:
-            held = ex.check.feed(part)
-        except BodyRefused as exc:
-            self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
-            return
-        if held is not None:
-            self._release(ex, held)
-
-    def _body_end(self, ex: Exchange) -> None:
-        if ex.check is not None and not ex.discard:
-            try:
-                held = ex.check.finish()
-            except BodyRefused as exc:
-                self._refuse(ex, exc.status, exc.message, exc.reason)
-            else:
-                self._release(ex, held)
-        if ex.chunks is not None and ex.response is not None:
-            self._send(LAST_CHUNK)
         self._request_done(ex)
-
-    def _release(self, ex: Exchange, held: list[bytes | memoryview]) -> None:
-        """The check passed: send the head and the payload held so far."""
-        ex.check = None
-        self._begin(ex, ex.judged.upstream)
-        for part in held:
-            self._send_payload(ex, part)
-
-    def _send_payload(self, ex: Exchange, part: bytes | memoryview) -> None:
-        if ex.chunks is None:
-            self._send(part)
-        else:
-            for piece in chunk(part):
-                self._send(piece)
+        return data[end:] if end < len(data) else b""
 
     def _request_done(self, ex: Exchange) -> None:
         ex.request_done = True
@@ -407,13 +359,18 @@ class ClientConnection(asyncio.Protocol):
         self.state.refuse(PROTOCOL, ex.route, str(status), reason)
         head = ex.judged.head
         logger.debug("refused %s %s with %d: %s", head.method, head.target, status, message)
-        ex.discard = ex.response_done = True
-        ex.check = None
+        ex.response_done = True
         # After "Expect: 100-continue" the client may or may not send the body: only closing is unambiguous.
         close = close or self.close_after or not head.keep_alive or (head.expect_continue and head.has_body)
         self._write(error_response(status, message, close=close))
         if close:
             self._shutdown()
+        elif ex.body is not None:
+            ex.body.drop()
+        elif head.has_body:
+            ex.body = RequestBody(head.content_length or 0, head.chunked).drop()
+        else:
+            self._request_done(ex)
 
     def _fail(self, exc: HttpError) -> None:
         """A request that cannot be read further (malformed head or chunked body): answer and close."""
