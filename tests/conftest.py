@@ -22,7 +22,7 @@ def node_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def layout(node_root: Path) -> NodeLayout:
-    return NodeLayout(repository=node_root / "models", staging=node_root / "staging")
+    return NodeLayout(repository=node_root / "models", staging=node_root / "staging", leases=node_root / "leases")
 
 
 @pytest.fixture(scope="session")

@@ -16,13 +16,16 @@ from tritonshare import __version__
 from tritonshare.common.command import F, option, run_command
 from tritonshare.common.errors import ExitCode, TritonshareError
 from tritonshare.common.layout import (
+    DEFAULT_LEASES,
     DEFAULT_REPOSITORY,
     DEFAULT_STAGING,
     NodeLayout,
     check_model_name,
 )
+from tritonshare.common.lease import DEFAULT_TTL_S, Holder
 from tritonshare.common.logs import configure_logging
 from tritonshare.node.commands import advertise
+from tritonshare.node.gc_command import gc
 
 
 def _name(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -55,6 +58,48 @@ def common_options(fn: F) -> F:
     return fn
 
 
+def _pod_uid(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    try:
+        return Holder(uid=value).uid if value else None
+    except TritonshareError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+def lease_options(fn: F) -> F:
+    """Who this pod is (the downward API) and where its lease on the model lives (common/lease.py)."""
+    for decorator in reversed(
+        [
+            option(
+                "--leases",
+                type=click.Path(path_type=Path),
+                default=DEFAULT_LEASES,
+                help="The node's lease folder (outside the repository): which pods use each model.",
+            ),
+            option(
+                "--lease-ttl-s",
+                type=click.FloatRange(min=1),
+                default=DEFAULT_TTL_S,
+                help="A lease not refreshed for this long is a dead pod's; give `tritonshare gc` the same value.",
+            ),
+            option(
+                "--pod-uid",
+                default=None,
+                callback=_pod_uid,
+                help="This pod's UID (downward API metadata.uid), the key of its lease. Unset: no lease is "
+                "taken, and unload removes the model even if other pods use it.",
+            ),
+            option("--pod-name", default="", help="This pod's name (downward API metadata.name), for its lease."),
+            option("--pod-namespace", default="", help="This pod's namespace (metadata.namespace), for its lease."),
+        ]
+    ):
+        fn = decorator(fn)
+    return fn
+
+
+def holder_of(uid: str | None, name: str, namespace: str) -> Holder | None:
+    return Holder(uid=uid, name=name, namespace=namespace) if uid else None
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @option("--log-format", type=click.Choice(["plain", "json"]), default="plain", help="Log line format.")
 @option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
@@ -67,6 +112,7 @@ def main(log_format: str, log_level: str) -> None:
 @main.command()
 @click.argument("source", envvar="TRITONSHARE_SOURCE")
 @common_options
+@lease_options
 @option(
     "--mode",
     type=click.Choice(["poll", "explicit"]),
@@ -95,6 +141,11 @@ def load(
     repository: Path,
     staging: Path,
     triton_url: str,
+    leases: Path,
+    lease_ttl_s: float,
+    pod_uid: str | None,
+    pod_name: str,
+    pod_namespace: str,
     mode: str,
     timeout_s: float,
     download_timeout_s: float,
@@ -115,7 +166,9 @@ def load(
     settings = LoaderSettings(
         source=source,
         name=name,
-        layout=NodeLayout(repository=repository, staging=staging),
+        layout=NodeLayout(repository=repository, staging=staging, leases=leases),
+        holder=holder_of(pod_uid, pod_name, pod_namespace),
+        lease_ttl_s=lease_ttl_s,
         triton_url=triton_url,
         mode=mode,  # type: ignore[arg-type]  # click.Choice guarantees it
         timeout_s=timeout_s,
@@ -130,29 +183,48 @@ def load(
 
 @main.command()
 @common_options
+@lease_options
 @option(
     "--timeout-s",
     type=click.FloatRange(min=0),
     default=60.0,
     help="Bound on each wait: for a LOADING model to settle, and for Triton to stop serving it.",
 )
-def unload(name: str, repository: Path, staging: Path, triton_url: str, timeout_s: float) -> None:
-    """Remove NAME from the repository (rename out, then delete) and wait until Triton unloads it."""
+def unload(
+    name: str,
+    repository: Path,
+    staging: Path,
+    triton_url: str,
+    leases: Path,
+    lease_ttl_s: float,
+    pod_uid: str | None,
+    pod_name: str,
+    pod_namespace: str,
+    timeout_s: float,
+) -> None:
+    """Drop this pod's lease on NAME and, unless another pod still uses it, remove NAME from the repository
+    (rename out, then delete) and wait until Triton unloads it."""
     from tritonshare.common.unload import UnloadSettings, unload_model
 
     settings = UnloadSettings(
-        name=name, layout=NodeLayout(repository=repository, staging=staging), triton_url=triton_url, timeout_s=timeout_s
+        name=name,
+        layout=NodeLayout(repository=repository, staging=staging, leases=leases),
+        holder=holder_of(pod_uid, pod_name, pod_namespace),
+        lease_ttl_s=lease_ttl_s,
+        triton_url=triton_url,
+        timeout_s=timeout_s,
     )
 
     def action() -> int:
         result = unload_model(settings)
-        return ExitCode.OK if result.unloaded else ExitCode.READINESS_TIMEOUT
+        return ExitCode.OK if result.done else ExitCode.READINESS_TIMEOUT
 
     run_command(action)
 
 
 @main.command()
 @common_options
+@lease_options
 @option("--triton-grpc", default="127.0.0.1:8001", help="Triton's gRPC endpoint (HOST:PORT).")
 @option("--host", default="0.0.0.0", help="Address the proxy listens on.")
 @option("--http-port", type=click.IntRange(0, 65535), default=9000, help="REST (KServe v2) port.")
@@ -188,7 +260,16 @@ def unload(name: str, repository: Path, staging: Path, triton_url: str, timeout_
     multiple=True,
     help="Header removed from tenant requests (e.g. Triton's --http-restricted-api key). Repeatable.",
 )
-def proxy(repository: Path, staging: Path, strip_headers: tuple[str, ...], **options: Any) -> None:
+def proxy(
+    repository: Path,
+    staging: Path,
+    leases: Path,
+    pod_uid: str | None,
+    pod_name: str,
+    pod_namespace: str,
+    strip_headers: tuple[str, ...],
+    **options: Any,
+) -> None:
     """Serve NAME only: forward its REST and gRPC calls to Triton, refuse everything else.
 
     On SIGTERM: readiness turns false, in-flight requests drain, then the model is unloaded.
@@ -197,7 +278,8 @@ def proxy(repository: Path, staging: Path, strip_headers: tuple[str, ...], **opt
     from tritonshare.proxy.settings import ProxySettings
 
     settings = ProxySettings(
-        layout=NodeLayout(repository=repository, staging=staging),
+        layout=NodeLayout(repository=repository, staging=staging, leases=leases),
+        holder=holder_of(pod_uid, pod_name, pod_namespace),
         strip_headers=tuple(h.lower() for h in strip_headers),
         **options,  # the remaining option names are ProxySettings' field names
     )
@@ -205,6 +287,7 @@ def proxy(repository: Path, staging: Path, strip_headers: tuple[str, ...], **opt
 
 
 main.add_command(advertise)
+main.add_command(gc)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

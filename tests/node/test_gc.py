@@ -75,9 +75,8 @@ def prefix(layout: NodeLayout, triton: TritonServer) -> Iterator[str]:
 
 @pytest.fixture
 def settings(triton: TritonServer, layout: NodeLayout, tmp_path: Path, prefix: str) -> GcSettings:
-    return GcSettings(
-        layout=layout, leases=tmp_path / "leases", triton_url=triton.url, lease_ttl_s=TTL_S, manage=(f"{prefix}*",)
-    )
+    node = replace(layout, leases=tmp_path / "leases")
+    return GcSettings(layout=node, triton_url=triton.url, lease_ttl_s=TTL_S, manage=(f"{prefix}*",))
 
 
 @pytest.fixture
@@ -99,7 +98,8 @@ def gc_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
 @pytest.fixture
 def bare_layout(tmp_path: Path) -> NodeLayout:
     """A node folder no Triton watches: for what needs no model loaded."""
-    layout = NodeLayout(repository=tmp_path / "node" / "models", staging=tmp_path / "node" / "staging")
+    root = tmp_path / "node"
+    layout = NodeLayout(repository=root / "models", staging=root / "staging", leases=root / "leases")
     layout.repository.mkdir(parents=True)
     layout.staging.mkdir()
     return layout
@@ -266,7 +266,7 @@ def test_without_triton_no_model_is_removed_but_staging_still_is(
     write_model(bare_layout.model_dir("resnet"))
     leftover = bare_layout.staging / f"resnet.download.{uuid.uuid4().hex[:12]}"
     leftover.mkdir()
-    settings = GcSettings(layout=bare_layout, leases=tmp_path / "leases", lease_ttl_s=TTL_S)
+    settings = GcSettings(layout=bare_layout, lease_ttl_s=TTL_S)
     collector = Collector(settings, client=TritonClient(f"http://127.0.0.1:{free_port()}"), clock=clock)
     clock.advance(TTL_S + 30)
     assert removed(collector) == [("staging", leftover.name)]
@@ -279,7 +279,7 @@ def test_a_folder_no_lease_can_name_is_left_alone_and_the_pass_goes_on(
 ) -> None:
     write_model(bare_layout.model_dir(".editor-backup"))
     write_model(bare_layout.model_dir("resnet"))
-    settings = GcSettings(layout=bare_layout, leases=tmp_path / "leases", triton_url=triton.url, lease_ttl_s=TTL_S)
+    settings = GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S)
     clock.advance(TTL_S + 30)
     assert removed(Collector(settings, clock=clock)) == [("model", "resnet")]
     assert bare_layout.model_dir(".editor-backup").is_dir()
@@ -289,7 +289,7 @@ def test_a_folder_no_lease_can_name_is_left_alone_and_the_pass_goes_on(
 def test_leases_of_models_that_are_not_installed_go_once_expired(
     bare_layout: NodeLayout, tmp_path: Path, clock: Clock
 ) -> None:
-    collector = Collector(GcSettings(layout=bare_layout, leases=tmp_path / "leases", lease_ttl_s=TTL_S), clock=clock)
+    collector = Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock)
     collector.store.acquire("crashed", POD_A)  # its loader died before publishing
     clock.advance(TTL_S + 1)
     collector.store.acquire("downloading", POD_B)  # a loader at work: its model is not there yet
@@ -298,7 +298,7 @@ def test_leases_of_models_that_are_not_installed_go_once_expired(
 
 
 def test_run_sweeps_every_interval_until_stopped(bare_layout: NodeLayout, tmp_path: Path, clock: Clock) -> None:
-    settings = GcSettings(layout=bare_layout, leases=tmp_path / "leases", lease_ttl_s=TTL_S, interval_s=0.1)
+    settings = GcSettings(layout=bare_layout, lease_ttl_s=TTL_S, interval_s=0.1)
     stop = threading.Event()
     codes: list[int] = []
     thread = threading.Thread(target=lambda: codes.append(run(settings, stop=stop, clock=clock)))
@@ -320,13 +320,13 @@ def test_the_command_makes_one_pass_with_options_from_the_environment(
     triton: TritonServer, bare_layout: NodeLayout, tmp_path: Path, gc_log: pytest.LogCaptureFixture
 ) -> None:
     write_model(bare_layout.model_dir("resnet"))
-    store = LeaseStore(tmp_path / "leases")
+    store = LeaseStore(bare_layout.leases)
     store.acquire("resnet", POD_A)
     old = time.time() - 120
     os.utime(store.path("resnet", POD_A), (old, old))  # the last heartbeat was two minutes ago
     args = ["--once", "--repository", str(bare_layout.repository), "--staging", str(bare_layout.staging)]
     env = {
-        "TRITONSHARE_LEASES": str(tmp_path / "leases"),
+        "TRITONSHARE_LEASES": str(bare_layout.leases),
         "TRITONSHARE_LEASE_TTL_S": "60",
         "TRITONSHARE_TRITON_URL": triton.url,
         "TRITONSHARE_TERMINATION_LOG": str(tmp_path / "termination-log"),

@@ -4,7 +4,8 @@ Default layout (REFERENCE §2: staging must be outside the repository root, on t
 
     /var/lib/tritonshare/
     ├── models/     Triton's --model-repository (POLL mode); one folder per model NAME
-    └── staging/    downloads in progress and folders on their way out
+    ├── staging/    downloads in progress and folders on their way out
+    └── leases/     which pods use each model, with their heartbeats (common/lease.py)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tritonshare.common.errors import UsageError
 DEFAULT_ROOT = Path("/var/lib/tritonshare")
 DEFAULT_REPOSITORY = DEFAULT_ROOT / "models"
 DEFAULT_STAGING = DEFAULT_ROOT / "staging"
+DEFAULT_LEASES = DEFAULT_ROOT / "leases"
 
 # Triton model names are folder names; keep them to a portable, URL-safe set so the proxy can match
 # them exactly in paths and protobuf fields.
@@ -38,6 +40,7 @@ def check_model_name(name: str) -> str:
 class NodeLayout:
     repository: Path = DEFAULT_REPOSITORY
     staging: Path = DEFAULT_STAGING
+    leases: Path = DEFAULT_LEASES  # outside the repository: a file in a model folder would make POLL reload it
 
     def model_dir(self, name: str) -> Path:
         return self.repository / name

@@ -43,11 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tritonshare.common.errors import UsageError
-from tritonshare.common.layout import DEFAULT_ROOT, check_model_name
+from tritonshare.common.layout import DEFAULT_LEASES, check_model_name
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LEASES = DEFAULT_ROOT / "leases"
 DEFAULT_TTL_S = 600.0
 
 Clock = Callable[[], float]

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from tritonshare.common.errors import ExitCode, InsufficientSpace, ReadinessTimeout, TritonLoadFailed
 from tritonshare.common.layout import NodeLayout
+from tritonshare.common.lease import Heartbeat, LeaseStore
 from tritonshare.common.repository import InstallRecord, discard, new_staging_dir
 from tritonshare.common.triton import TritonClient
 from tritonshare.loader import sources
@@ -84,10 +85,29 @@ def run(
     timings = Timings()
     with timings.phase("triton"):
         wait_live(client, timeout_s=settings.timeout_s, interval_s=settings.poll_interval_s)
-    installed = _fetch_and_install(settings, timings, disk_free, open_source)
-    _await_ready(settings, client, installed, timings)
+    with holding_lease(settings):
+        installed = _fetch_and_install(settings, timings, disk_free, open_source)
+        _await_ready(settings, client, installed, timings)
     logger.info("%s is ready (%s): %s", settings.name, "reused" if installed.reused else "installed", timings.summary())
     return ExitCode.OK
+
+
+@contextmanager
+def holding_lease(settings: LoaderSettings) -> Iterator[None]:
+    """This pod's lease on NAME, taken before repository/NAME is looked at (so gc cannot remove a folder this
+    loader is about to reuse), kept fresh while downloading and waiting, dropped if the load fails; on
+    success it stays, and the proxy keeps it fresh from then on."""
+    if settings.holder is None:
+        yield
+        return
+    leases = LeaseStore(settings.layout.leases, ttl_s=settings.lease_ttl_s)
+    lease = leases.acquire(settings.name, settings.holder, source=record_uri(settings.source))
+    try:
+        with Heartbeat(leases, lease):
+            yield
+    except BaseException:
+        leases.forget(settings.name, settings.holder)
+        raise
 
 
 def _fetch_and_install(

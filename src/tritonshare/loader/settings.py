@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from tritonshare.common.layout import NodeLayout
+from tritonshare.common.lease import DEFAULT_TTL_S, Holder
 from tritonshare.common.termination import DEFAULT_PATH
 
 Mode = Literal["poll", "explicit"]
@@ -17,6 +18,8 @@ class LoaderSettings:
     source: str
     name: str
     layout: NodeLayout = field(default_factory=NodeLayout)
+    holder: Holder | None = None  # this pod (downward API); None: no lease is taken
+    lease_ttl_s: float = DEFAULT_TTL_S  # heartbeats come ten times per TTL
     triton_url: str = "http://127.0.0.1:8000"
     mode: Mode = "poll"
     timeout_s: float = 600.0  # readiness deadline, counted from publishing

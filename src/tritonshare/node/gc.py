@@ -33,7 +33,7 @@ from typing import Literal
 
 from tritonshare.common.errors import ExitCode, TritonshareError, TritonUnavailable, UsageError
 from tritonshare.common.layout import NodeLayout, check_model_name
-from tritonshare.common.lease import DEFAULT_LEASES, DEFAULT_TTL_S, Clock, LeaseStore
+from tritonshare.common.lease import DEFAULT_TTL_S, Clock, LeaseStore
 from tritonshare.common.repository import discard, read_record, retire
 from tritonshare.common.triton import TritonClient
 
@@ -46,7 +46,6 @@ _STAGING_ENTRY = re.compile(r"(?P<name>.+)\.[a-z]+\.[0-9a-f]{12}")
 @dataclass(frozen=True, kw_only=True)
 class GcSettings:
     layout: NodeLayout = field(default_factory=NodeLayout)
-    leases: Path = DEFAULT_LEASES  # the node's lease folder, beside the repository
     triton_url: str = "http://127.0.0.1:8000"
     triton_timeout_s: float = 5.0
     lease_ttl_s: float = DEFAULT_TTL_S  # a lease not refreshed for this long belongs to a dead pod
@@ -70,7 +69,7 @@ class Collector:
         self.settings = settings
         self.client = client or TritonClient(settings.triton_url, timeout_s=settings.triton_timeout_s)
         self.clock = clock
-        self.store = LeaseStore(settings.leases, ttl_s=settings.lease_ttl_s, clock=clock)
+        self.store = LeaseStore(settings.layout.leases, ttl_s=settings.lease_ttl_s, clock=clock)
 
     def sweep(self) -> list[Removal]:
         removals = [*self._models(), *self._staging(), *self._orphan_leases()]
@@ -179,7 +178,7 @@ def run(settings: GcSettings, *, stop: threading.Event | None = None, clock: Clo
         "gc of %s, %s and %s: lease ttl %.0fs, %s, models matching %s",
         settings.layout.repository,
         settings.layout.staging,
-        settings.leases,
+        settings.layout.leases,
         settings.lease_ttl_s,
         "one pass" if settings.once else f"every {settings.interval_s:.0f}s",
         " ".join(settings.manage),

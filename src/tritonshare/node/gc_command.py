@@ -11,8 +11,8 @@ from pathlib import Path
 import click
 
 from tritonshare.common.command import option, run_command
-from tritonshare.common.layout import DEFAULT_REPOSITORY, DEFAULT_STAGING, NodeLayout
-from tritonshare.common.lease import DEFAULT_LEASES, DEFAULT_TTL_S
+from tritonshare.common.layout import DEFAULT_LEASES, DEFAULT_REPOSITORY, DEFAULT_STAGING, NodeLayout
+from tritonshare.common.lease import DEFAULT_TTL_S
 from tritonshare.common.termination import DEFAULT_PATH
 
 
@@ -75,8 +75,7 @@ def gc(
     from tritonshare.node.gc import GcSettings, run
 
     settings = GcSettings(
-        layout=NodeLayout(repository=repository, staging=staging),
-        leases=leases,
+        layout=NodeLayout(repository=repository, staging=staging, leases=leases),
         triton_url=triton_url,
         lease_ttl_s=lease_ttl_s,
         interval_s=interval_s,

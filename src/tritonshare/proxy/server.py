@@ -7,7 +7,11 @@ Shutdown, in order (the pod's terminationGracePeriodSeconds must exceed drain + 
    ``Connection: close``);
 3. in-flight requests, streams included, get up to ``drain_timeout_s`` to finish; what is left is cut;
 4. the model folder is renamed out of the repository and deleted, and the proxy waits (bounded) until
-   Triton no longer reports the model ready (:mod:`tritonshare.common.unload`); exit 0.
+   Triton no longer reports the model ready (:mod:`tritonshare.common.unload`) — unless another pod's lease
+   on the model is fresh, and then the folder stays for it; exit 0.
+
+While serving, the proxy holds its pod's lease on the model and refreshes it (:mod:`tritonshare.common.lease`):
+if the pod dies without SIGTERM, ``tritonshare gc`` removes the model once the lease expires.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import signal
 from collections.abc import Callable
 
 from tritonshare.common.errors import ExitCode
+from tritonshare.common.lease import Heartbeat, LeaseStore
+from tritonshare.common.repository import read_record
 from tritonshare.common.unload import UnloadSettings, unload_model
 from tritonshare.proxy.grpc import GrpcFrontend
 from tritonshare.proxy.metrics_server import MetricsServer
@@ -44,6 +50,7 @@ async def serve(
     stop: asyncio.Event | None = None,
     on_started: Callable[[ProxyState, list[Frontend]], None] | None = None,
 ) -> int:
+    heartbeat = _hold_lease(settings)
     state = ProxyState(settings)
     frontends: list[Frontend] = [RestFrontend(state), GrpcFrontend(state)]
     metrics = MetricsServer(
@@ -69,6 +76,8 @@ async def serve(
     await stop.wait()
     await _drain(state, frontends)
     metrics.close()
+    if heartbeat is not None:
+        heartbeat.stop()
     if settings.unload_on_exit:
         await asyncio.to_thread(_unload, settings)
     return ExitCode.OK
@@ -81,6 +90,18 @@ def _triton_metrics(settings: ProxySettings) -> TritonModelMetrics | None:
     if not url:
         return None
     return TritonModelMetrics(url, settings.name, timeout_s=settings.connect_timeout_s)
+
+
+def _hold_lease(settings: ProxySettings) -> Heartbeat | None:
+    """Take this pod's lease on the model (the loader already did; taking it again is harmless) and keep it
+    fresh while serving."""
+    if settings.holder is None:
+        return None
+    leases = LeaseStore(settings.layout.leases, ttl_s=settings.lease_ttl_s)
+    record = read_record(settings.layout.model_dir(settings.name))
+    source, digest = (record.source, record.digest) if record else ("", "")
+    lease = leases.acquire(settings.name, settings.holder, source=source, digest=digest)
+    return Heartbeat(leases, lease).start()
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -119,10 +140,16 @@ def _unload(settings: ProxySettings) -> None:
         UnloadSettings(
             name=settings.name,
             layout=settings.layout,
+            holder=settings.holder,
+            lease_ttl_s=settings.lease_ttl_s,
             triton_url=settings.triton_url,
             timeout_s=settings.unload_timeout_s,
         )
     )
     logger.info(
-        "unload of %s: folder removed=%s, Triton stopped serving=%s", settings.name, result.removed, result.unloaded
+        "unload of %s: folder removed=%s, Triton stopped serving=%s, kept for another pod=%s",
+        settings.name,
+        result.removed,
+        result.unloaded,
+        result.kept,
     )

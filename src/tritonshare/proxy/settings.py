@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tritonshare.common.layout import NodeLayout
+from tritonshare.common.lease import DEFAULT_TTL_S, Holder
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,6 +19,8 @@ class ProxySettings:
     metrics_port: int = 9090  # 0 turns the metrics server off
     triton_metrics_url: str | None = None  # re-exported for NAME only; None = Triton's host, port 8002; "" = off
     layout: NodeLayout = field(default_factory=NodeLayout)
+    holder: Holder | None = None  # this pod (downward API); None: no lease is taken
+    lease_ttl_s: float = DEFAULT_TTL_S  # heartbeats come ten times per TTL
     drain_timeout_s: float = 30.0
     unload_on_exit: bool = True  # after draining, remove the model folder (the unloader)
     unload_timeout_s: float = 30.0
