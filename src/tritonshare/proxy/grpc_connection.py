@@ -75,15 +75,21 @@ class ClientConnection(asyncio.Protocol):
         self._window_debt = 0  # DATA bytes the proxy sent the client itself (see module docstring)
         self._goaway_last: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._verdicts: dict[Verdict, Callable[[int, GrpcRule, HeaderBlock], bool]] = {
+            Verdict.ALLOW: self._forward,
+            Verdict.OWN: self._forward,
+            Verdict.READY: self._answer_ready,
+            Verdict.DENY: self._deny,
+        }
         self._handlers = (
             self._on_data,
             self._on_headers,
-            _forward,
+            _as_is,
             self._on_rst_stream,
             self._on_settings,
-            _forward,
+            _as_is,
             self._on_ping,
-            _forward,
+            _as_is,
             self._on_window_update,
             self._on_continuation,
         )
@@ -397,45 +403,37 @@ class ClientConnection(asyncio.Protocol):
 
     def _open_stream(self, stream_id: int, block: HeaderBlock) -> bool:
         """A client opened a stream: forward it (True) or answer it here (False)."""
-        path = block.path or b""
+        path = (block.path or b"").decode("latin-1")
+        rule = judge_grpc_method(path)
         if block.ambiguous:
-            # Malformed (RFC 7540 §8.1.2.3); Triton might read another :path than the one judged here.
+            # Malformed (RFC 7540 §8.1.2.3), and Triton might act on another :path than the one judged here.
             self._streams.answer_locally(stream_id)
             self._to_client(http2.rst_stream(stream_id, http2.PROTOCOL_ERROR))
             self._state.refuse(PROTOCOL, "unknown", "protocol_error", "malformed")
-            return False
-        if self._unavailable:
-            rule = judge_grpc_method(path.decode("latin-1"))
-            self._refuse_local(
-                stream_id,
-                rule.route if rule else "unknown",
-                GRPC_UNAVAILABLE,
-                "Triton is not reachable from the proxy; retry later",
-                "triton_unavailable",
-            )
-            return False
-        if self._goaway_last is not None and stream_id > self._goaway_last:
-            self._streams.answer_locally(stream_id)
+        elif self._unavailable:
+            message = "Triton is not reachable from the proxy; retry later"
+            self._refuse_local(stream_id, rule.route if rule else "unknown", GRPC_UNAVAILABLE, message, "unavailable")
+        elif self._goaway_last is not None and stream_id > self._goaway_last:
+            self._streams.answer_locally(stream_id)  # after GOAWAY: refused, the client may retry elsewhere
             self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
-            return False
-        rule = judge_grpc_method(path.decode("latin-1"))
-        if rule is None:
-            shown = clip_path(path.decode("utf-8", errors="replace"))
+        elif rule is None:
+            shown = clip_path(path.encode("latin-1").decode("utf-8", errors="replace"))
             self._refuse_local(stream_id, "unknown", GRPC_UNIMPLEMENTED, f"method {shown} is not available", "unknown")
-            return False
-        if rule.verdict is Verdict.DENY:
-            self._refuse_local(
-                stream_id, rule.route, GRPC_PERMISSION_DENIED, f"{rule.route} is not available to tenants", "denied"
-            )
-            return False
-        if rule.verdict is Verdict.READY:
-            self._answer_ready(stream_id, rule)
-            return False
+        else:
+            return self._verdicts[rule.verdict](stream_id, rule, block)
+        return False
+
+    def _forward(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> bool:
         inspector = None
         if rule.verdict is Verdict.OWN:
             inspector = MessageInspector(rule, self._own, encoding=block.encoding, limit=self._limit)
         self._streams.forward(stream_id, rule, inspector)
         return True
+
+    def _deny(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> bool:
+        message = f"{rule.route} is not available to tenants"
+        self._refuse_local(stream_id, rule.route, GRPC_PERMISSION_DENIED, message, "denied")
+        return False
 
     # ---------------------------------------------------------------------------------- local answers
 
@@ -451,14 +449,15 @@ class ClientConnection(asyncio.Protocol):
         self._to_client(frames)
         self._close_if_drained()
 
-    def _answer_ready(self, stream_id: int, rule: GrpcRule) -> None:
+    def _answer_ready(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> bool:
         self._streams.answer_locally(stream_id)
         if self._state.draining:
             self._send_ready(stream_id, rule, False, time.perf_counter())
-            return
+            return False
         task = asyncio.get_running_loop().create_task(self._ask_ready(stream_id, rule))
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return False
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -499,5 +498,5 @@ def _pause_reading(transport: asyncio.Transport | None, paused: bool) -> None:
         transport.resume_reading()
 
 
-def _forward(data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
+def _as_is(data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
     return None
