@@ -231,6 +231,11 @@ def unload(
 @option("--grpc-port", type=click.IntRange(0, 65535), default=9001, help="gRPC port.")
 @option("--metrics-port", type=click.IntRange(0, 65535), default=9090, help="Prometheus /metrics; 0 = off.")
 @option(
+    "--triton-metrics-url",
+    default=None,
+    help="Triton's metrics page, re-exported for NAME only on /metrics.  [default: Triton's host, port 8002; '' = off]",
+)
+@option(
     "--drain-timeout-s",
     type=click.FloatRange(min=0),
     default=30.0,

@@ -51,5 +51,6 @@ def test_metrics_count_requests_and_refusals_and_reexport_only_the_own_model(
 
     triton_models = {lab.get("model") for n, lab, _ in samples if n.startswith("nv_")}
     assert triton_models == {served_models.own}
-    success = [v for n, lab, v in samples if n == "nv_inference_request_success"]
+    # (the parser names counter samples <name>_total; Triton's page says nv_inference_request_success)
+    success = [v for n, lab, v in samples if n == "nv_inference_request_success_total"]
     assert success and success[0] >= 3

@@ -59,6 +59,8 @@ class ProxyProcess:
             str(self.grpc_port),
             "--metrics-port",
             str(self.metrics_port),
+            "--triton-metrics-url",
+            f"http://127.0.0.1:{self.triton.metrics_port}/metrics",
             "--repository",
             str(self.layout.repository),
             "--staging",
