@@ -37,7 +37,7 @@ from tritonshare.proxy.http1 import (
     upstream_head,
 )
 from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_plain_body
-from tritonshare.proxy.policy import RestDecision, judge_rest
+from tritonshare.proxy.policy import REST_SERVER_ROUTES, RestDecision, judge_rest
 from tritonshare.proxy.state import ProxyState
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ _CONNECTING, _UPSTREAM_FULL, _BACKLOG = 1, 2, 4
 
 _REFUSAL_REASONS = {400: "bad_request", 403: "denied", 404: "not_found", 405: "method"}
 _UNAVAILABLE = "the inference server is unavailable; retry later"
+READY_ROUTE = REST_SERVER_ROUTES["/v2/health/ready"].route  # not ready from the moment draining begins
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +259,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _start(self, judged: Judged, rest: bytes) -> bytes:
         ex = self.exchange = Exchange(judged)
-        if self.state.draining and not self.drain_grace:
+        if self.state.draining and (not self.drain_grace or judged.decision.route == READY_ROUTE):
             self._refuse(ex, 503, "the proxy is shutting down; retry on another replica", "draining", close=True)
         elif judged.decision.status:
             status = judged.decision.status
