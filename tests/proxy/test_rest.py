@@ -198,7 +198,7 @@ def test_keep_alive_connection_serves_many_requests_and_pipelining_keeps_order(p
     two = f"POST /v2/models/{own}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
     three = b"GET /v2/models/other/ready HTTP/1.1\r\nHost: x\r\n\r\n"
     with Raw(port) as raw:
-        raw.send(one + two + three + one)  # four requests in one write
+        raw.send(one + two + b"\r\n" + three + one)  # four requests in one write (and a stray CRLF)
         statuses = [raw.response() for _ in range(4)]
         assert [s for s, _, _ in statuses] == [200, 200, 404, 200]
         assert json.loads(statuses[1][2])["outputs"][0]["data"] == [1.5, 2.5]

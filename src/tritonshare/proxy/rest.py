@@ -241,6 +241,8 @@ class ClientConnection(asyncio.Protocol):
                 return
 
     def _read_head(self, data: bytes) -> bytes:
+        if data.startswith(b"\r\n"):  # empty lines before a request line are ignored (RFC 9112 §2.2)
+            return data[2:]
         end = data.find(b"\r\n\r\n")
         if 0 <= end <= self.fe.max_header_bytes:
             try:
@@ -251,8 +253,6 @@ class ClientConnection(asyncio.Protocol):
             return self._start(judged, data[end + 4 :])
         if end >= 0 or len(data) > self.fe.max_header_bytes:
             self._fail(HttpError(431, f"request head larger than {self.fe.max_header_bytes} bytes", "too_large"))
-        elif data.startswith(b"\r\n"):  # empty lines before a request line are ignored (RFC 9112 §2.2)
-            return data[2:]
         else:
             self.buf = data
         return b""
