@@ -282,3 +282,53 @@ def test_a_stream_naming_two_paths_never_reaches_triton() -> None:
     assert opened == {3: f"/{GRPC_SERVICE}/ServerLive"}
     resets = [(sid, p) for kind, _, sid, p in frames(to_client) if kind == http2.RST_STREAM]
     assert resets == [(1, http2.PROTOCOL_ERROR.to_bytes(4, "big"))]
+
+
+def test_a_header_block_in_several_frames_is_judged_whole_and_forwarded() -> None:
+    client = Client()
+    block = client.encoder.encode(
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", f"/{GRPC_SERVICE}/ModelInfer"),
+            (":authority", "p"),
+            ("content-type", "application/grpc"),
+            ("x-meta", "m" * 3000),
+        ]
+    )
+    talk = b"".join(
+        [
+            http2.PREFACE,
+            http2.settings(),
+            http2.frame(http2.HEADERS, 0, 1, block[:1000]),
+            http2.frame(http2.CONTINUATION, 0, 1, block[1000:2000]),
+            http2.frame(http2.CONTINUATION, http2.END_HEADERS, 1, block[2000:]),
+            data(1, message("own")),
+        ]
+    )
+    to_triton, _, _ = asyncio.run(relay(split(talk, [30, 1500, 2500])))
+    stream = client_streams(to_triton)[1]
+    assert stream.headers["x-meta"] == "m" * 3000 and bytes(stream.data) == message("own")
+
+
+def goaway_code(to_client: bytes) -> int | None:
+    codes = [int.from_bytes(p[4:8], "big") for kind, _, _, p in frames(to_client) if kind == http2.GOAWAY]
+    return codes[-1] if codes else None
+
+
+def test_endless_continuation_frames_end_the_connection() -> None:
+    client = Client()
+    flood = [http2.frame(http2.CONTINUATION, 0, 1, b"\x00\x01a\x01b" * 3000) for _ in range(8)]  # 144 KiB
+    head = client.headers(3, "ModelInfer")
+    talk = b"".join([http2.PREFACE, http2.frame(http2.HEADERS, 0, 3, head[9:]), *flood])
+    to_triton, to_client, _ = asyncio.run(relay([talk]))
+    assert goaway_code(to_client) == http2.PROTOCOL_ERROR
+    assert not client_streams(to_triton)  # the block never reached Triton
+
+
+def test_a_header_block_interrupted_by_another_frame_ends_the_connection() -> None:
+    head = Client().headers(1, "ModelInfer")
+    talk = b"".join([http2.PREFACE, http2.frame(http2.HEADERS, 0, 1, head[9:]), data(1, message("own"))])
+    to_triton, to_client, _ = asyncio.run(relay([talk]))
+    assert goaway_code(to_client) == http2.PROTOCOL_ERROR
+    assert not client_streams(to_triton)

@@ -258,6 +258,8 @@ class ClientConnection(asyncio.Protocol):
             stop = pos + http2.HEADER_SIZE + (high << 16 | low)
             if stop > end:
                 break
+            if self._block and kind != http2.CONTINUATION:
+                raise http2.FrameError("a header block was interrupted by another frame (RFC 7540 §6.10)")
             if kind < 10:
                 replacement = handlers[kind](data, pos, stop, flags, stream_id & http2.STREAM_ID_MASK)
             else:
@@ -372,9 +374,11 @@ class ClientConnection(asyncio.Protocol):
         return self._on_header_block(stream_id, flags, bytes(fragment))
 
     def _on_continuation(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-        if not self._block:
-            raise http2.FrameError("CONTINUATION frame without a HEADERS frame before it")
+        if not self._block or http2.parse_header(self._block[0], 0)[3] != stream_id:
+            raise http2.FrameError("CONTINUATION frame without a HEADERS frame of its stream before it")
         self._block.append(data[pos:stop])
+        if sum(map(len, self._block)) > self._state.settings.max_header_bytes:
+            raise http2.FrameError(f"header block larger than {self._state.settings.max_header_bytes} bytes")
         if not flags & http2.END_HEADERS:
             return b""
         frames, self._block = self._block, []
