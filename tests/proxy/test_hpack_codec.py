@@ -100,3 +100,12 @@ def test_encode_plain_round_trips_and_leaves_the_table_alone() -> None:
     assert len(reference.header_table.dynamic_entries) == 0
     assert block[0] == 0x88  # :status 200 is static entry 8
     assert not changes_table(block)
+
+
+def test_path_and_encoding_are_read_once_and_repeats_are_flagged() -> None:
+    encoder, ours = hpack.Encoder(), HeaderDecoder()
+    single = ours.decode(bytes(encoder.encode([(b":path", b"/a"), (b"grpc-encoding", b"gzip")])))
+    assert (single.path, single.encoding, single.ambiguous) == (b"/a", b"gzip", False)
+    assert ours.decode(bytes(encoder.encode([(b":path", b"/a"), (b":path", b"/b")]))).ambiguous
+    assert ours.decode(bytes(encoder.encode([(b"grpc-encoding", b"gzip"), (b"grpc-encoding", b"x")]))).ambiguous
+    assert ours.decode(bytes(encoder.encode([(b"te", b"trailers")]))).path is None
