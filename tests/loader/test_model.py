@@ -11,9 +11,9 @@ from google.protobuf import text_format
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.models import DECOUPLED_CONFIG, IDENTITY_CONFIG, write_model
+from tests.support.models import DECOUPLED_CONFIG, IDENTITY_CONFIG, SLOW_CONFIG, write_model
 from tritonshare.common.errors import ExitCode, InvalidModel
-from tritonshare.loader.model import find_root, parse_config, prepare, with_name
+from tritonshare.loader.model import check_config, find_root, prepare, with_name
 
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
@@ -35,7 +35,9 @@ parameters { key: "x\\tq\\"\\u00e9\\101" value: { string_value: "a\\nb" } }
 model_metrics { metric_control [ { histogram_options { buckets: [ -inf, .5, 1.0f, 2E3, inf ] } } ] }
 """
 
-VALID = [IDENTITY_CONFIG, DECOUPLED_CONFIG, RICH_CONFIG, "", "# only a comment\n", 'name: "x"']
+VALID = [IDENTITY_CONFIG, DECOUPLED_CONFIG, SLOW_CONFIG, RICH_CONFIG, "", "# only a comment\n", 'name: "x"']
+WHERE = "s3://b/m: config.pbtxt"
+HINT = " — Triton cannot read this config.pbtxt; fix it in the model source"
 
 
 def protobuf_accepts(text: str) -> bool:
@@ -46,10 +48,21 @@ def protobuf_accepts(text: str) -> bool:
     return True
 
 
+def refusal(text: str) -> InvalidModel:
+    with pytest.raises(InvalidModel) as info:
+        check_config(text, WHERE)
+    assert info.value.exit_code == ExitCode.SOURCE_PERMANENT
+    assert str(info.value).endswith(HINT)
+    return info.value
+
+
 @pytest.mark.parametrize("text", VALID)
-def test_configs_protobuf_reads_are_read(text: str) -> None:
-    assert protobuf_accepts(text)  # the corpus itself is valid Triton ModelConfig text
-    parse_config(text, "cfg")
+def test_valid_configs_are_accepted(text: str) -> None:
+    assert protobuf_accepts(text)  # the corpus itself is valid ModelConfig text (model_metrics: after Triton 2.51)
+    check_config(text, "cfg")
+
+
+# ---- the name edit -----------------------------------------------------------------------------------
 
 
 def test_name_is_added_as_a_first_line_when_absent() -> None:
@@ -67,29 +80,97 @@ def test_only_the_top_level_name_value_changes(value: str) -> None:
     assert 'name: "INPUT0"' in out  # names of inputs are not the model's name
 
 
+def test_an_empty_name_then_a_second_one_the_last_gets_the_name_and_triton_still_reads_it() -> None:
+    # Triton reads this (seen here, Triton 2.51): a singular field may follow its own empty value.
+    out = with_name('name: ""\nmax_batch_size: 0\nname: "b"\n', "mine", "cfg")
+    assert out == 'name: ""\nmax_batch_size: 0\nname: "mine"\n'
+    assert text_format.Parse(out, model_config_pb2.ModelConfig()).name == "mine"
+
+
 def test_a_name_that_is_not_a_string_is_refused_with_its_line() -> None:
-    with pytest.raises(InvalidModel, match=r"cfg: line 2: 'name' must be a quoted string"):
+    with pytest.raises(InvalidModel, match=r"^cfg: line 2, column 7: Expected string but found: 'resnet' — "):
         with_name("max_batch_size: 0\nname: resnet\n", "x", "cfg")
 
 
-def test_a_name_set_twice_is_refused_with_both_lines() -> None:
-    with pytest.raises(InvalidModel, match=r"'name' is set more than once \(lines 1, 3\)"):
+def test_a_name_set_twice_is_refused_at_the_second() -> None:
+    with pytest.raises(InvalidModel, match=r"^cfg: line 3, column 7: 'name' is set a second time, .* keep one"):
         with_name('name: "a"\nmax_batch_size: 0\nname: "b"\n', "x", "cfg")
 
 
+# ---- what Triton's schema refuses ----------------------------------------------------------------------
+
+SCHEMA_MISTAKES = [
+    pytest.param(
+        IDENTITY_CONFIG + "max_batch_sise: 4\n", 6, 1,
+        "ModelConfig has no field 'max_batch_sise' (did you mean 'max_batch_size'?)", id="unknown-field",
+    ),
+    pytest.param(
+        'input [ { name: "a" nmae: "b" } ]\n', 1, 21,
+        "ModelInput has no field 'nmae' (did you mean 'name'?)", id="unknown-nested-field",
+    ),
+    pytest.param(
+        "instance_group [ { kind: KIND_CPUS } ]\n", 1, 26,
+        "'KIND_CPUS' is not a ModelInstanceGroup.Kind (did you mean KIND_CPU? "
+        "values: KIND_AUTO, KIND_GPU, KIND_CPU, KIND_MODEL)", id="bad-enum",
+    ),
+    pytest.param("max_batch_size: \"8\"\n", 1, 17, "Couldn't parse integer: \"8\"", id="string-for-integer"),
+    pytest.param("max_batch_size: 1.5\n", 1, 17, "Couldn't parse integer: 1.5", id="float-for-integer"),
+    pytest.param("max_batch_size: 4294967296\n", 1, 17, "Value out of range: 4294967296", id="int32-overflow"),
+    pytest.param(
+        "dynamic_batching { max_queue_delay_microseconds: -1 }\n", 1, 50, "Value out of range: -1", id="negative-uint",
+    ),
+    pytest.param("backend: python\n", 1, 10, "Expected string but found: 'python'", id="ident-for-string"),
+    pytest.param(
+        "model_transaction_policy { decoupled: yes }\n", 1, 39, 'Expected "true" or "false"', id="not-a-bool"
+    ),
+    pytest.param(
+        'backend: "python"\nbackend: "onnx"\n', 2, 10,
+        "'backend' is set a second time, and it holds one value; keep one", id="singular-field-twice",
+    ),
+    pytest.param(
+        "dynamic_batching { }\ndynamic_batching { }\n", 2, 18,
+        "'dynamic_batching' is set a second time, and it holds one value; keep one", id="singular-message-twice",
+    ),
+    pytest.param(
+        "version_policy { all { } latest { num_versions: 1 } }\n", 1, 26,
+        'Field "latest" is specified along with field "all", another member of oneof "policy_choice"',
+        id="two-of-a-oneof",
+    ),
+    pytest.param(
+        "input [ { dims [ 1, 2 ] } ]\n", 1, 16, "Expected \":\"", id="list-of-values-without-colon"
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "line", "column", "why"), SCHEMA_MISTAKES)
+def test_what_triton_would_not_read_is_refused_with_line_column_and_reason(
+    text: str, line: int, column: int, why: str
+) -> None:
+    assert not protobuf_accepts(text)  # as Triton's own schema says
+    assert str(refusal(text)).startswith(f"{WHERE}: line {line}, column {column}: {why}")
+
+
+def test_an_unknown_field_with_no_near_name_lists_the_fields_there_are() -> None:
+    message = str(refusal("input [ { tensor_size: 1 } ]\n"))
+    assert "ModelInput has no field 'tensor_size' (its fields: name, data_type, format, dims, reshape," in message
+
+
+def test_a_duplicate_of_an_empty_scalar_is_read_as_triton_reads_it() -> None:
+    # Triton 2.51 loads this (seen here): proto3 cannot tell an empty value from an absent one.
+    check_config(IDENTITY_CONFIG + "max_batch_size: 0\n", "cfg")
+
+
+# ---- the structure ------------------------------------------------------------------------------------
+
 BROKEN = [
-    ("max_batch_size 8\n", 1, 16, r"expected ':' or '\{' after the field name 'max_batch_size', found '8'"),
-    ('input [ { name: "a" }\n', 2, 1, r"expected ',' or '\]' in the list of 'input', found the end of the file"),
-    ('input { name: "a"\n\n', 3, 1, r"expected '\}' to close the message, found the end of the file"),
-    ('input { name: "a" } }\n', 1, 21, r"expected a field name, found '\}'"),
+    ("max_batch_size 8\n", 1, 16, r'Expected ":"'),
+    ('input [ { name: "a" }\n', 2, 1, r'Expected ","'),
+    ('input { name: "a" } }\n', 1, 21, r"Expected identifier or number, got \}"),
     ('backend: "python\n', 1, 10, r"a string is not closed on its line"),
-    ("max_batch_size: 8x\n", 1, 18, r"a number runs into 'x'"),
-    ("dims [ 1, 2 ]\n", 1, 8, r"expected '\{' for an element of 'dims' \(a list of values needs ':'\)"),
-    ("dims: [ 1 2 ]\n", 1, 11, r"expected ',' or '\]' in the list of 'dims', found '2'"),
-    ("max_batch_size: -\n", 2, 1, r"expected a number after '-' in the value of 'max_batch_size'"),
+    ("max_batch_size: 8x\n", 1, 18, r"a number runs into 'x'; separate them with a space"),
+    ("input { dims: [ 1 2 ] }\n", 1, 19, r'Expected ","'),
     ('backend: "python" @\n', 1, 19, r"unexpected character '@'"),
-    ("max_batch_size: \n", 2, 1, r"expected a value for 'max_batch_size', found the end of the file"),
-    ("input {" * 101 + "}" * 101, 1, 707, r"messages are nested more than 100 deep"),
+    ("input {" * 101 + "}" * 101, 1, 8, r"ModelInput has no field 'input'"),
 ]
 
 
@@ -97,35 +178,50 @@ BROKEN = [
 def test_broken_config_names_file_line_and_column(text: str, line: int, column: int, why: str) -> None:
     assert not protobuf_accepts(text)
     with pytest.raises(InvalidModel, match=rf"^s3://b/m: config.pbtxt: line {line}, column {column}: {why}") as info:
-        parse_config(text, "s3://b/m: config.pbtxt")
+        check_config(text, "s3://b/m: config.pbtxt")
     assert info.value.exit_code == ExitCode.SOURCE_PERMANENT
 
 
-def test_an_invalid_escape_is_refused_as_triton_does() -> None:
-    # Triton's C++ parser refuses it (seen here: "Invalid escape sequence in string literal", and the model
-    # stays name-only); Python's protobuf is lenient, so this case is checked against Triton's behaviour.
-    with pytest.raises(InvalidModel, match=r"line 1, column 13: invalid escape '\\\\q' in a string"):
-        parse_config('backend: "py\\qthon"\n', "cfg")
+# ---- what Python's parser reads and Triton's C++ parser refuses -------------------------------------------
+
+# Each of these made Triton 2.51 list the model by name only, logging "Poll failed" (seen here), while
+# Python's protobuf reads it: unknown escapes, Python's integer spellings through ``int(text, 0)``, and
+# Python's Unicode-aware whitespace.
+STRICTER_THAN_PYTHON = [
+    pytest.param('parameters { key: "a" value: { string_value: "x\\qy" } }\n', 1, 48,
+                 r"invalid escape '\\\\q' in a string", id="escape"),
+    pytest.param("max_batch_size: 0b0\n", 1, 18, r"a number runs into 'b'; separate them with a space", id="binary"),
+    pytest.param("max_batch_size: 1_0\n", 1, 18, r"a number runs into '_'", id="underscore"),
+    pytest.param("max_batch_size: +1\n", 1, 17, r"a '\+' sign: Triton reads numbers without one", id="plus"),
+    pytest.param("max_batch_size:\u00a00\n", 1, 16,
+                 r"the non-ASCII character U\+00A0 outside a string: Triton reads only ASCII there", id="nbsp"),
+]  # fmt: skip
 
 
-# Where Python's protobuf reads what Triton's C++ parser refuses: unknown escapes (above) and Python
-# integer prefixes (``0b10`` goes through Python's ``int(text, 0)``).
-LAXER_IN_PYTHON = ("invalid escape", "a number runs into 'b'")
-_ALPHABET = list("{}[]<>:;,\"' \n#-.0123456789abexyzTYPE_") + ["name", "dims", "input"]
+@pytest.mark.parametrize(("text", "line", "column", "why"), STRICTER_THAN_PYTHON)
+def test_what_only_pythons_parser_reads_is_refused_as_triton_does(text: str, line: int, column: int, why: str) -> None:
+    assert protobuf_accepts(text)  # the reason for this pass
+    with pytest.raises(InvalidModel, match=rf"^cfg: line {line}, column {column}: {why}"):
+        check_config(text, "cfg")
+
+
+LAXER_IN_PYTHON = ("invalid escape", "a number runs into", "a '+' sign", "the non-ASCII character")
+_ALPHABET = list("{}[]<>:;,\"' \n#-+.0123456789abexyzTYPE_\u00a0") + ["name", "dims", "input"]
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([IDENTITY_CONFIG, RICH_CONFIG]), st.integers(0, 10**6), st.sampled_from(_ALPHABET))
 def test_never_refuses_what_protobuf_itself_reads(base: str, seed: int, piece: str) -> None:
     """Mutate a valid config by one edit: whenever protobuf's own parser, with Triton's real ModelConfig
-    schema, still reads it, ours must too (a false refusal would block a working model)."""
+    schema, still reads it, so must the check, but for the C++ parser's stricter reading above (a false
+    refusal would block a working model)."""
     rng = random.Random(seed)
     at = rng.randrange(len(base) + 1)
     edit = rng.choice(["insert", "delete", "replace"])
     text = base[:at] + ("" if edit == "delete" else piece) + base[at + (0 if edit == "insert" else 1) :]
     if protobuf_accepts(text):
         try:
-            parse_config(text, "cfg")
+            check_config(text, "cfg")
         except InvalidModel as exc:
             assert any(lax in str(exc) for lax in LAXER_IN_PYTHON), exc
 
@@ -177,10 +273,12 @@ def test_a_model_without_config_is_accepted_as_is(tmp_path: Path) -> None:
     assert not (tmp_path / "config.pbtxt").exists()  # Triton completes ONNX configs itself
 
 
-def test_a_broken_config_is_refused_naming_its_path_in_the_source(tmp_path: Path) -> None:
-    write_model(tmp_path / "resnet", config=IDENTITY_CONFIG + "input [ { name: 'x' ]\n")
-    with pytest.raises(InvalidModel, match=r"^s3://b/m: resnet/config.pbtxt: line 6, column 21: expected"):
+def test_a_broken_config_is_refused_naming_its_path_in_the_source_and_left_as_it_was(tmp_path: Path) -> None:
+    config = IDENTITY_CONFIG + 'backend: "onnxruntime"\n'
+    write_model(tmp_path / "resnet", config=config)
+    with pytest.raises(InvalidModel, match=r"^s3://b/m: resnet/config.pbtxt: line 6, column 10: 'backend' is set a"):
         prepare(tmp_path, "mine", "s3://b/m")
+    assert (tmp_path / "resnet" / "config.pbtxt").read_text() == config
 
 
 def test_a_config_that_is_not_utf8_is_refused(tmp_path: Path) -> None:

@@ -3,35 +3,41 @@
 1. Find the model root: the folder holding ``config.pbtxt`` or numeric version folders, unwrapping one
    extra level (an archive of ``resnet/`` rather than of its content; modelmesh-runtime-adapter#25,
    kserve#1684).
-2. Check it: at least one numeric version folder; ``config.pbtxt``, if present, is well-formed protobuf
-   text format. A config Triton cannot parse is never loaded nor reported: POLL keeps the model
-   name-only in its index and only logs "Poll failed for model directory" (seen here, Triton 2.51), so
-   the loader would wait for nothing until its deadline. Catching it here turns that into exit 10 naming
-   the file, line and column.
+2. Check it: at least one numeric version folder; ``config.pbtxt``, if present, is a ModelConfig Triton
+   can read. A config Triton cannot read is never loaded nor reported: POLL keeps the model name-only in
+   its index and only logs "Poll failed for model directory" (seen here, Triton 2.51), so the loader
+   would wait for nothing until its deadline. Checking here turns that into exit 10 naming the file,
+   line, column and what to change.
 3. Set the config's top-level ``name`` to NAME (Triton refuses a name that differs from the folder's,
    REFERENCE §2), editing only that field's value so comments and layout stay as they were.
 
-The checker is syntactic: Triton's ModelConfig schema (field names, enum values) is not importable
-cheaply at run time — it ships with tritonclient, which pulls in gRPC — so an unknown field still
-reaches Triton. Grammar (protobuf's text format, as Triton's C++ ``TextFormat`` reads it)::
+Triton reads the file with protobuf's C++ ``TextFormat::Parse`` into its ModelConfig. The check does the
+same in two passes, each agreeing with Triton 2.51 on every case the tests list (compared here):
 
-    message := field*
-    field   := name ( ":" value | message_value | "[" message_value,* "]" ) [";" | ","]
-    name    := IDENT | "[" IDENT ("." | "/" IDENT)* "]"
-    value   := message_value | "[" (message_value | scalar),* "]" | scalar
-    message_value := "{" message "}" | "<" message ">"
-    scalar  := STRING+ | ["-"] (NUMBER | IDENT)
+- :func:`tokenize` refuses what Python's text parser reads but the C++ one does not: unknown string
+  escapes (``\\q``), Python's integer spellings (``0b10``, ``1_0``, ``+1``) and non-ASCII characters
+  outside strings (a no-break space pasted from a web page). Its tokens also locate the ``name`` field.
+- :func:`check_schema` runs protobuf's text parser against Triton's ModelConfig schema
+  (:mod:`tritonshare.loader.model_config_pb2`): the structure, field names, enum names, value types and
+  ranges, a singular field set twice, two members of one oneof.
+
+The schema is the newest tritonshare ships, so a field added after the Triton a node runs still reaches
+that Triton (``model_metrics`` on Triton 2.51) and ends in exit 13; the opposite choice, an older schema,
+would refuse models a newer Triton serves.
 """
 
 from __future__ import annotations
 
 import bisect
+import difflib
 import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tritonshare.common.errors import InvalidModel
 
@@ -41,6 +47,7 @@ CONFIG_FILE = "config.pbtxt"
 _VERSION = re.compile(r"[0-9]+")
 _IGNORED = re.compile(r"\..*|__MACOSX")  # hidden files and macOS archive debris never make a wrapper
 
+# The tokens of protobuf's text format as the C++ tokenizer reads them (whitespace is ASCII only there).
 _TOKEN = re.compile(
     r"""
      (?P<space>[ \t\r\n\f\v]+)
@@ -53,235 +60,178 @@ _TOKEN = re.compile(
     re.VERBOSE,
 )
 _ESCAPE = re.compile(r"\\(?:[abfnrtv\\?'\"]|[0-7]{1,3}|x[0-9A-Fa-f]{1,2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8})")
-_CLOSING = {"{": "}", "<": ">"}
-MAX_DEPTH = 100  # protobuf's own default recursion limit for text format
+_OPENING, _CLOSING = frozenset("{<"), frozenset("}>")
+_HINT = "Triton cannot read this config.pbtxt; fix it in the model source"
 
 
 @dataclass(frozen=True)
 class Token:
-    kind: str  # string | number | ident | symbol | end
+    kind: str  # string | number | ident | symbol
     text: str
     start: int  # offsets into the config text
     end: int
 
 
-@dataclass(frozen=True)
-class NameField:
-    """A top-level ``name`` field: where its value is, and whether that value is a string."""
-
-    line: int
-    value_start: int
-    value_end: int
-    is_string: bool
-
-
-class ConfigSyntax:
-    """Positions in one config text, for messages that name the file, line and column."""
+class ConfigText:
+    """One config.pbtxt's text and where it comes from, for messages naming the file, line and column."""
 
     def __init__(self, text: str, where: str) -> None:
         self.text = text
         self.where = where
         self._line_starts = [0] + [m.end() for m in re.finditer("\n", text)]
 
-    def line_of(self, offset: int) -> int:
-        return bisect.bisect_right(self._line_starts, offset)
+    def error_at(self, offset: int, what: str) -> InvalidModel:
+        line = bisect.bisect_right(self._line_starts, offset)
+        return self.error(line, offset - self._line_starts[line - 1] + 1, what)
 
-    def error(self, offset: int, what: str) -> InvalidModel:
-        line = self.line_of(offset)
-        column = offset - self._line_starts[line - 1] + 1
-        return InvalidModel(
-            f"{self.where}: line {line}, column {column}: {what} — Triton cannot read this config.pbtxt; "
-            "fix it in the model source"
-        )
+    def error(self, line: int | None, column: int | None, what: str) -> InvalidModel:
+        at = f"line {line}, column {column}: " if line and column else ""
+        return InvalidModel(f"{self.where}: {at}{what} — {_HINT}")
+
+    def line(self, number: int) -> str:
+        """The text of line ``number`` (1-based), "" past the end."""
+        if not 0 < number <= len(self._line_starts):
+            return ""
+        start = self._line_starts[number - 1]
+        end = self.text.find("\n", start)
+        return self.text[start : end if end >= 0 else len(self.text)]
 
 
-def tokenize(syntax: ConfigSyntax) -> list[Token]:
-    text, tokens, pos = syntax.text, [], 0
+def tokenize(config: ConfigText) -> list[Token]:
+    """The tokens of ``config``; refuses what Triton's C++ tokenizer refuses (Python's reads some of it)."""
+    text, tokens, pos = config.text, [], 0
     while pos < len(text):
         m = _TOKEN.match(text, pos)
         if m is None:
-            raise syntax.error(pos, _unreadable(text[pos]))
+            raise config.error_at(pos, _unreadable(text[pos]))
         kind = m.lastgroup or ""
         if kind == "string":
-            _check_escapes(syntax, m.start(), m.group())
+            _check_escapes(config, m.start(), m.group())
         if kind == "number" and m.end() < len(text) and (text[m.end()].isalnum() or text[m.end()] == "_"):
-            raise syntax.error(m.end(), f"a number runs into {text[m.end()]!r}; separate them with a space")
+            raise config.error_at(m.end(), f"a number runs into {text[m.end()]!r}; separate them with a space")
         if kind not in ("space", "comment"):
             tokens.append(Token(kind, m.group(), m.start(), m.end()))
         pos = m.end()
-    tokens.append(Token("end", "", len(text), len(text)))
     return tokens
 
 
 def _unreadable(char: str) -> str:
     if char in "\"'":
         return "a string is not closed on its line"
+    if char == "+":
+        return "a '+' sign: Triton reads numbers without one"
+    if not char.isascii():
+        return f"the non-ASCII character U+{ord(char):04X} outside a string: Triton reads only ASCII there"
     return f"unexpected character {char!r}"
 
 
-def _check_escapes(syntax: ConfigSyntax, start: int, literal: str) -> None:
+def _check_escapes(config: ConfigText, start: int, literal: str) -> None:
     body, pos = literal[1:-1], 0
     while (pos := body.find("\\", pos)) >= 0:
         m = _ESCAPE.match(body, pos)
         if m is None:
-            raise syntax.error(start + 1 + pos, f"invalid escape {body[pos : pos + 2]!r} in a string")
+            raise config.error_at(start + 1 + pos, f"invalid escape {body[pos : pos + 2]!r} in a string")
         pos = m.end()
 
 
-class _Parser:
-    """Recursive descent over the tokens; records the top-level ``name`` fields it meets."""
+def check_schema(config: ConfigText) -> None:
+    """Parse ``config`` into Triton's ModelConfig as Triton does; refuse it with protobuf's reason, made
+    specific where it can be (the field or enum value meant, the values there are)."""
+    from google.protobuf import text_format  # the loader's only protobuf use: imported when needed
 
-    def __init__(self, syntax: ConfigSyntax) -> None:
-        self.syntax = syntax
-        self.tokens = tokenize(syntax)
-        self.pos = 0
-        self.depth = 0
-        self.names: list[NameField] = []
+    from tritonshare.loader import model_config_pb2
 
-    @property
-    def token(self) -> Token:
-        return self.tokens[self.pos]
-
-    def take(self) -> Token:
-        token = self.tokens[self.pos]
-        self.pos += 1
-        return token
-
-    def expect(self, text: str, context: str) -> Token:
-        if not self.at(text):
-            raise self.fail(f"expected {text!r} {context}")
-        return self.take()
-
-    def fail(self, what: str) -> InvalidModel:
-        found = "the end of the file" if self.token.kind == "end" else repr(self.token.text)
-        return self.syntax.error(self.token.start, f"{what}, found {found}")
-
-    def at(self, *symbols: str) -> bool:
-        return self.token.kind == "symbol" and self.token.text in symbols
-
-    def message(self, closing: str | None) -> None:
-        while not (self.at(closing) if closing else self.token.kind == "end"):
-            if self.token.kind == "end":
-                raise self.fail(f"expected {closing!r} to close the message")
-            self.field(top=closing is None)
-
-    def field(self, *, top: bool) -> None:
-        name = self.field_name()
-        if self.at(":"):
-            self.take()
-            start = self.token.start
-            is_string = self.value(name.text)
-        else:
-            start = self.token.start
-            self.message_or_list(name.text)
-            is_string = False
-        if top and name.text == "name" and name.kind == "ident":
-            line = self.syntax.line_of(name.start)
-            self.names.append(NameField(line, start, self.tokens[self.pos - 1].end, is_string))
-        if self.at(";", ","):
-            self.take()
-
-    def field_name(self) -> Token:
-        if self.token.kind == "ident":
-            return self.take()
-        if self.at("["):
-            first = self.take()
-            self._type_name()
-            self.expect("]", "to close the extension name")
-            end = self.tokens[self.pos - 1].end
-            return Token("extension", self.syntax.text[first.start : end], first.start, end)
-        raise self.fail("expected a field name")
-
-    def _type_name(self) -> None:
-        while True:
-            if self.token.kind != "ident":
-                raise self.fail("expected a type name")
-            self.take()
-            if not self.at(".", "/"):
-                return
-            self.take()
-
-    def message_or_list(self, field: str) -> None:
-        """After a field name without ':', only a message or a list of messages may follow."""
-        if self.at("["):
-            self.list_of(field, scalars=False)
-        elif self.at(*_CLOSING):
-            self.message_value()
-        else:
-            raise self.fail(f"expected ':' or '{{' after the field name {field!r}")
-
-    def value(self, field: str) -> bool:
-        """A value after ':'; returns whether it was a string."""
-        if self.at("["):
-            self.list_of(field, scalars=True)
-            return False
-        if self.at(*_CLOSING):
-            self.message_value()
-            return False
-        return self.scalar(field)
-
-    def message_value(self) -> None:
-        if self.depth >= MAX_DEPTH:
-            raise self.fail(f"messages are nested more than {MAX_DEPTH} deep")
-        opening = self.take().text
-        self.depth += 1
-        self.message(_CLOSING[opening])
-        self.depth -= 1
-        self.take()
-
-    def list_of(self, field: str, *, scalars: bool) -> None:
-        self.take()  # "["
-        if self.at("]"):
-            self.take()
-            return
-        while True:
-            if self.at(*_CLOSING):
-                self.message_value()
-            elif scalars:
-                self.scalar(field)
-            else:
-                raise self.fail(f"expected '{{' for an element of {field!r} (a list of values needs ':')")
-            if self.at("]"):
-                self.take()
-                return
-            self.expect(",", f"or ']' in the list of {field!r}")
-
-    def scalar(self, field: str) -> bool:
-        if self.token.kind == "string":
-            while self.token.kind == "string":  # adjacent literals concatenate
-                self.take()
-            return True
-        if self.at("-"):
-            self.take()
-            if self.token.kind not in ("number", "ident"):
-                raise self.fail(f"expected a number after '-' in the value of {field!r}")
-        if self.token.kind not in ("number", "ident"):
-            raise self.fail(f"expected a value for {field!r}")
-        self.take()
-        return False
+    try:
+        text_format.Parse(config.text, model_config_pb2.ModelConfig())
+    except text_format.ParseError as exc:
+        line, column = exc.GetLine(), exc.GetColumn()
+        reason = _protobuf_reason(str(exc), config.line(line or 0))
+        raise config.error(line, column, _explain(reason, model_config_pb2.POOL)) from exc
 
 
-def parse_config(text: str, where: str) -> list[NameField]:
-    """Check ``text`` is well-formed protobuf text format; return its top-level ``name`` fields."""
-    parser = _Parser(ConfigSyntax(text, where))
-    parser.message(None)
-    return parser.names
+def _protobuf_reason(message: str, line_text: str) -> str:
+    """protobuf's message without the position and the quoted line it puts in front of some."""
+    message = re.sub(r"^\d+(?::\d+)? : ", "", message)
+    for quoted in (f"'{line_text}': ", "'': "):
+        message = message.removeprefix(quoted)
+    return message.removesuffix(".")
+
+
+def _unknown_field(m: re.Match[str], pool: Any) -> str:
+    message, field = pool.FindMessageTypeByName(m["type"]), m["field"]
+    names = [f.name for f in message.fields]
+    close = difflib.get_close_matches(field, names, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"its fields: {', '.join(names)}"
+    return f"{_short(message.full_name)} has no field {field!r} ({hint})"
+
+
+def _unknown_enum_value(m: re.Match[str], pool: Any) -> str:
+    enum, value = pool.FindEnumTypeByName(m["type"]), m["value"]
+    names = [v.name for v in enum.values]
+    close = difflib.get_close_matches(value, names, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return f"{value!r} is not a {_short(enum.full_name)} ({hint}values: {', '.join(names)})"
+
+
+def _set_twice(m: re.Match[str], pool: Any) -> str:
+    return f"{m['field']!r} is set a second time, and it holds one value; keep one"
+
+
+def _short(full_name: str) -> str:
+    return full_name.removeprefix("inference.")
+
+
+# protobuf's messages (the same from 4.25 to 6.x) for the mistakes people make; others pass as they are.
+_EXPLAINERS: tuple[tuple[re.Pattern[str], Callable[[re.Match[str], Any], str]], ...] = (
+    (re.compile(r'Message type "(?P<type>[\w.]+)" has no field named "(?P<field>[^"]*)"'), _unknown_field),
+    (re.compile(r'Enum type "(?P<type>[\w.]+)" has no value named (?P<value>\S+)'), _unknown_enum_value),
+    (re.compile(r'Message type "[\w.]+" should not have multiple "(?P<field>\w+)" fields'), _set_twice),
+)
+
+
+def _explain(reason: str, pool: Any) -> str:
+    for pattern, explain in _EXPLAINERS:
+        if (m := pattern.fullmatch(reason)) is not None:
+            try:
+                return explain(m, pool)
+            except KeyError:  # a type the pool does not know: protobuf's own words will do
+                return reason
+    return reason
+
+
+def check_config(text: str, where: str) -> list[Token]:
+    """Check ``text`` is a ModelConfig Triton reads (``where`` names it in errors); returns its tokens."""
+    config = ConfigText(text, where)
+    tokens = tokenize(config)
+    check_schema(config)
+    return tokens
+
+
+def _name_values(tokens: list[Token]) -> list[tuple[int, int]]:
+    """Where the values of the top-level ``name`` fields are, in a config :func:`check_config` accepted
+    (there, an identifier followed by ':' is a field name, and name's value is one or more strings)."""
+    spans, depth = [], 0
+    for i, token in enumerate(tokens):
+        if token.kind == "symbol":
+            depth += (token.text in _OPENING) - (token.text in _CLOSING)
+        elif depth == 0 and token.kind == "ident" and token.text == "name" and tokens[i + 1].text == ":":
+            last = i + 2
+            while last + 1 < len(tokens) and tokens[last + 1].kind == "string":
+                last += 1
+            spans.append((tokens[i + 2].start, tokens[last].end))
+    return spans
 
 
 def with_name(text: str, name: str, where: str) -> str:
-    """``text`` with its top-level ``name`` set to ``name``: the value replaced in place, or a first line
-    added when there is none. Everything else stays byte for byte."""
-    names = parse_config(text, where)
+    """``text`` checked, with its top-level ``name`` set to ``name``: the value replaced in place, or a
+    first line added when there is none. Everything else stays byte for byte."""
+    spans = _name_values(check_config(text, where))
     quoted = '"' + name + '"'  # model names are [A-Za-z0-9_.-]: nothing to escape (layout.check_model_name)
-    if not names:
+    if not spans:
         return f"name: {quoted}\n{text}"
-    if len(names) > 1:
-        lines = ", ".join(str(n.line) for n in names)
-        raise InvalidModel(f"{where}: 'name' is set more than once (lines {lines}) — keep one")
-    field = names[0]
-    if not field.is_string:
-        raise InvalidModel(f"{where}: line {field.line}: 'name' must be a quoted string")
-    return text[: field.value_start] + quoted + text[field.value_end :]
+    # Triton, like protobuf, refuses a name set twice unless the first values are empty: the last one counts.
+    start, end = spans[-1]
+    return text[:start] + quoted + text[end:]
 
 
 def is_model_dir(path: Path) -> bool:
