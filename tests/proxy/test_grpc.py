@@ -8,6 +8,7 @@ must stay usable after a refusal (HPACK tables in step).
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 from queue import Queue
 
@@ -15,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
@@ -153,6 +155,32 @@ def test_compressed_infer_is_inspected_and_forwarded(
         client.infer(served_models.other, [identity_input(data)], compression_algorithm=algorithm)
     assert status_of(info.value) == "StatusCode.NOT_FOUND"
     assert inference_count(triton, served_models.other) == before
+
+
+def test_tritons_own_errors_pass_through_and_are_counted_by_status(
+    client: grpcclient.InferenceServerClient,
+    direct: grpcclient.InferenceServerClient,
+    proxy: ProxyProcess,
+    served_models: ServedModels,
+) -> None:
+    wrong = grpcclient.InferInput("NO_SUCH_INPUT", [4], "FP32")
+    wrong.set_data_from_numpy(np.ones(4, dtype=np.float32))
+    errors = []
+    for c in (client, direct):
+        with pytest.raises(InferenceServerException) as info:
+            c.infer(served_models.own, [wrong])
+        errors.append((status_of(info.value), str(info.value.message())))
+    assert errors[0] == errors[1]  # Triton's status and message, unchanged
+    assert errors[0][0] == "StatusCode.INVALID_ARGUMENT"
+    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.metrics_port}/metrics", timeout=5) as response:
+        families = text_string_to_metric_families(response.read().decode())
+    counted = {
+        (s.labels["protocol"], s.labels["route"], s.labels["code"])
+        for family in families
+        for s in family.samples
+        if s.name == "tritonshare_proxy_requests_total"
+    }
+    assert ("grpc", "ModelInfer", "invalid_argument") in counted
 
 
 @pytest.mark.slow

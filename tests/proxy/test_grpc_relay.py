@@ -198,28 +198,31 @@ def triton_replies() -> bytes:
     def headers(stream_id: int, fields: list[tuple[str, str]], flags: int = 0) -> bytes:
         return http2.frame(http2.HEADERS, http2.END_HEADERS | flags, stream_id, encoder.encode(fields))
 
+    def split_headers(stream_id: int, fields: list[tuple[str, str]]) -> bytes:  # HEADERS + CONTINUATION
+        block = encoder.encode(fields)
+        return http2.frame(http2.HEADERS, 0, stream_id, block[:100]) + http2.frame(
+            http2.CONTINUATION, http2.END_HEADERS, stream_id, block[100:]
+        )
+
     response, trailers = [(":status", "200"), ("content-type", "application/grpc")], [("grpc-status", "0")]
-    long_block = encoder.encode([*response, ("x-long", "v" * 300)])
-    return b"".join(
-        [
-            http2.settings({0x5: 1 << 22}),
-            headers(1, response),
-            data(1, b"\x00" * 40, end=False),
-            headers(1, trailers, http2.END_STREAM),
-            # Stream 5 was reset by the proxy: its DATA is dropped (and credited back to Triton), and so is a
-            # header block unless it changes the client's HPACK table (the client must decode that one).
-            headers(5, [*response, ("x-trace", "t-1")]),
-            data(5, b"\x00" * 9, end=False),
-            headers(5, trailers, http2.END_STREAM),
-            http2.frame(http2.HEADERS, 0, 7, long_block[:100]),  # a block in two frames
-            http2.frame(http2.CONTINUATION, http2.END_HEADERS, 7, long_block[100:]),
-            data(7, b"\x01" * 70_000, end=False),
-            headers(7, trailers, http2.END_STREAM),
-            headers(9, response),
-            data(9, b"\x02" * 20),
-            headers(9, trailers, http2.END_STREAM),
-        ]
-    )
+    parts = [  # encoded in wire order: each block may index what the ones before it inserted
+        lambda: http2.settings({0x5: 1 << 22}),
+        lambda: headers(1, response),
+        lambda: data(1, b"\x00" * 40, end=False),
+        lambda: headers(1, trailers, http2.END_STREAM),
+        # Stream 5 was reset by the proxy: its DATA is dropped (and credited back to Triton), and so is a
+        # header block unless it changes the client's HPACK table (the client must decode that one).
+        lambda: headers(5, [*response, ("x-trace", "t-1")]),
+        lambda: data(5, b"\x00" * 9, end=False),
+        lambda: headers(5, trailers, http2.END_STREAM),
+        lambda: split_headers(7, [*response, ("x-long", "v" * 300)]),
+        lambda: data(7, b"\x01" * 70_000, end=False),
+        lambda: headers(7, trailers, http2.END_STREAM),
+        lambda: headers(9, response),
+        lambda: data(9, b"\x02" * 20, end=False),
+        lambda: headers(9, [("grpc-status", "3"), ("grpc-message", "unexpected datatype")], http2.END_STREAM),
+    ]
+    return b"".join(part() for part in parts)
 
 
 @settings(max_examples=60, deadline=None)
@@ -252,6 +255,11 @@ def test_triton_side_passes_bytes_and_slips_goaway_in_between_frames(cuts: list[
         index = got.index(goaways[0])
         assert not (index > 0 and got[index - 1][0] == http2.HEADERS and not got[index - 1][1] & http2.END_HEADERS)
     assert state.inflight == 0  # every forwarded stream was ended by Triton (or reset by the proxy)
+    requests = state.metrics.registry.get_sample_value
+    labels = {"model": "own", "protocol": "grpc", "route": "ModelInfer"}
+    assert requests("tritonshare_proxy_requests_total", {**labels, "code": "ok"}) == 1  # stream 1
+    assert requests("tritonshare_proxy_requests_total", {**labels, "code": "invalid_argument"}) == 1  # Triton's
+    assert requests("tritonshare_proxy_requests_total", {**labels, "code": "not_found"}) == 1  # the proxy's
 
 
 def test_a_stream_naming_two_paths_never_reaches_triton() -> None:

@@ -186,12 +186,12 @@ class ClientConnection(asyncio.Protocol):
 
     # ---------------------------------------------------------------------------------- Triton's side
 
-    def response_headers(self, stream_id: int, end_stream: bool) -> None:
+    def response_headers(self, stream_id: int, end_stream: bool, status: bytes | None) -> None:
         stream = self._streams.active.get(stream_id)
         if stream is not None:
             stream.headers_sent = True
             if end_stream:
-                self.response_ended(stream_id, "ok")
+                self.response_ended(stream_id, grpc_replies.STATUS_LABELS.get(status or b"", "unknown"))
 
     def response_ended(self, stream_id: int, code: str) -> None:
         if self._streams.finish(stream_id, code):

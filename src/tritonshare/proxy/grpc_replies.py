@@ -10,28 +10,29 @@ import urllib.parse
 
 from tritonshare.proxy import http2
 from tritonshare.proxy.hpack_codec import Header, encode_plain
-from tritonshare.proxy.policy import (
-    GRPC_INTERNAL,
-    GRPC_INVALID_ARGUMENT,
-    GRPC_NOT_FOUND,
-    GRPC_OK,
-    GRPC_PERMISSION_DENIED,
-    GRPC_RESOURCE_EXHAUSTED,
-    GRPC_UNAVAILABLE,
-    GRPC_UNIMPLEMENTED,
-)
+from tritonshare.proxy.policy import GRPC_OK
 
-# Metrics labels of the gRPC statuses the proxy answers with.
+# Metrics labels of gRPC status codes (grpc/doc/statuscodes.md), and of their ``grpc-status`` values.
 STATUS_NAMES: dict[int, str] = {
-    GRPC_OK: "ok",
-    GRPC_INVALID_ARGUMENT: "invalid_argument",
-    GRPC_NOT_FOUND: "not_found",
-    GRPC_PERMISSION_DENIED: "permission_denied",
-    GRPC_RESOURCE_EXHAUSTED: "resource_exhausted",
-    GRPC_UNIMPLEMENTED: "unimplemented",
-    GRPC_INTERNAL: "internal",
-    GRPC_UNAVAILABLE: "unavailable",
+    0: "ok",
+    1: "cancelled",
+    2: "unknown",
+    3: "invalid_argument",
+    4: "deadline_exceeded",
+    5: "not_found",
+    6: "already_exists",
+    7: "permission_denied",
+    8: "resource_exhausted",
+    9: "failed_precondition",
+    10: "aborted",
+    11: "out_of_range",
+    12: "unimplemented",
+    13: "internal",
+    14: "unavailable",
+    15: "data_loss",
+    16: "unauthenticated",
 }
+STATUS_LABELS: dict[bytes, str] = {str(code).encode(): name for code, name in STATUS_NAMES.items()}
 
 _RESPONSE_HEADERS: tuple[Header, ...] = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 _MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")  # gRPC percent-encoding

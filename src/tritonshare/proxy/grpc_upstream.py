@@ -1,11 +1,14 @@
 """Triton → client half of the gRPC relay: Triton's bytes pass through untouched.
 
-Only the 9-byte frame headers are read (no HPACK): to know where frames start, so that the proxy's own
-frames (refusals, readiness answers, GOAWAY) go in between Triton's; to see a stream end (END_STREAM,
-RST_STREAM) for accounting and draining; and to drop what Triton still sends on a stream the proxy has
-reset — DATA is dropped and its bytes credited back to Triton's window, a header block is dropped unless
-it changes the client's decoder table (then it is passed on: a client decodes header blocks of closed
-streams to keep its table in step, RFC 7540 §4.3).
+Frame headers are read to know where frames start, so that the proxy's own frames (refusals, readiness
+answers, GOAWAY) go in between Triton's, and to see streams end (trailers, RST_STREAM) for accounting and
+draining. Triton's header blocks are decoded by a table that mirrors Triton's encoder — cheap, as they
+repeat byte for byte and the decoder caches them — to read ``grpc-status`` for the metrics, and to know
+whether a block may be dropped.
+
+What Triton still sends on a stream the proxy has reset is dropped: DATA, with its bytes credited back to
+Triton's window, and header blocks unless they change the client's decoder table (those are passed on: a
+client decodes header blocks of closed streams to keep its table in step, RFC 7540 §4.3).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import logging
 from typing import Protocol, cast
 
 from tritonshare.proxy import http2
-from tritonshare.proxy.hpack_codec import changes_table
+from tritonshare.proxy.hpack_codec import HeaderBlock, HeaderDecoder, HpackError, changes_table
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +33,7 @@ class StreamOwner(Protocol):
     @property
     def goaway_last(self) -> int | None: ...  # last stream id of the proxy's own GOAWAY, if sent
 
-    def response_headers(self, stream_id: int, end_stream: bool) -> None: ...
+    def response_headers(self, stream_id: int, end_stream: bool, status: bytes | None) -> None: ...
 
     def response_ended(self, stream_id: int, code: str) -> None: ...
 
@@ -52,8 +55,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._held = bytearray()  # a frame being collected whole (_HOLD)
         self._block: list[bytes] = []  # frames of a held header block awaiting END_HEADERS
         self._queued: list[bytes] = []  # the proxy's frames waiting for the end of the current frame
-        self._in_block = False  # between a HEADERS frame and the frame that ends its header block
-        self._block_mode = _PASS  # what is done with the current header block's frames
+        self._decoder: HeaderDecoder | None = HeaderDecoder()  # None once Triton's blocks could not be read
 
     # ---------------------------------------------------------------------------------- asyncio
 
@@ -77,9 +79,9 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.write(frames)
 
     def inject(self, frames: bytes) -> None:
-        """Write the proxy's own frames to the client at the next frame boundary of Triton's stream
-        (never inside a frame, nor between a HEADERS frame and its CONTINUATIONs)."""
-        if (self._left and self._mode == _PASS) or self._in_block:
+        """Write the proxy's own frames to the client at the next frame boundary of Triton's stream (a
+        header block in several frames is held until it is whole, so this is never inside one)."""
+        if self._left and self._mode == _PASS:
             self._queued.append(frames)
         elif not self._client.is_closing():
             self._client.write(frames)
@@ -96,7 +98,7 @@ class UpstreamConnection(asyncio.Protocol):
         if self._mode == _PASS:
             run = 0
         while pos < end:
-            if self._queued and not self._in_block:
+            if self._queued:
                 run = self._flush_queued(data, run, pos, chunks)
             if end - pos < http2.HEADER_SIZE:
                 self._head = data[pos:]
@@ -108,9 +110,9 @@ class UpstreamConnection(asyncio.Protocol):
             stream_id &= http2.STREAM_ID_MASK
             if kind == http2.DATA and not flags & http2.END_STREAM and stream_id not in reset:
                 mode = _PASS  # the common case, decided without a call
+            elif kind == http2.HEADERS and flags & http2.END_HEADERS and stop <= end and stream_id not in reset:
+                mode = self._headers(stream_id, flags, memoryview(data)[pos + http2.HEADER_SIZE : stop])
             else:
-                if kind == http2.HEADERS or kind == http2.CONTINUATION:
-                    self._in_block = not flags & http2.END_HEADERS
                 mode = self._classify(kind, flags, stream_id, length)
             if mode == _PASS:
                 pos = min(stop, end)
@@ -119,7 +121,7 @@ class UpstreamConnection(asyncio.Protocol):
             if run < pos:
                 chunks.append(memoryview(data)[run:pos])
             pos = run = self._divert(data, pos, stop, mode, chunks)
-        if self._queued and not self._left and not self._in_block:
+        if self._queued and not self._left:
             run = self._flush_queued(data, run, end, chunks)
         self._write(data, run, end, chunks)
 
@@ -167,21 +169,24 @@ class UpstreamConnection(asyncio.Protocol):
             chunks.append(memoryview(data)[run:end])
         self._client.writelines(chunks)
 
+    def _headers(self, stream_id: int, flags: int, payload: memoryview) -> int:
+        """A header block in one frame, whole in this read (the common case): read it, pass it."""
+        block = self._decode(bytes(http2.header_block_fragment(flags, payload)))
+        self._owner.response_headers(
+            stream_id, bool(flags & http2.END_STREAM), block.get(b"grpc-status") if block else None
+        )
+        return _PASS
+
     def _classify(self, kind: int, flags: int, stream_id: int, length: int) -> int:
-        if kind == http2.CONTINUATION:
-            return self._block_mode  # as the HEADERS frame that began the block
+        if kind == http2.HEADERS or kind == http2.CONTINUATION:
+            return _HOLD  # collected whole, then judged by _release
         if stream_id and stream_id in self._owner.reset_streams:
-            if kind == http2.HEADERS:
-                self._block_mode = _HOLD
-            elif kind == http2.DATA and length:
+            if kind == http2.DATA and length:
                 self.send(http2.window_update(0, length))
-            return _HOLD if kind == http2.HEADERS else _DROP
-        if kind == http2.HEADERS:
-            self._block_mode = _PASS
-            self._owner.response_headers(stream_id, bool(flags & http2.END_STREAM))
-        elif kind == http2.DATA:
-            if flags & http2.END_STREAM:
-                self._owner.response_ended(stream_id, "ok")
+            return _DROP
+        if kind == http2.DATA:
+            if flags & http2.END_STREAM:  # a gRPC response ends with trailers; this one did not
+                self._owner.response_ended(stream_id, "unknown")
         elif kind == http2.RST_STREAM:
             self._owner.response_ended(stream_id, "reset")
         elif kind == http2.GOAWAY and self._owner.goaway_last is not None:
@@ -190,17 +195,32 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _release(self, frame: bytes) -> list[bytes]:
         """A held frame is complete: what of it (and of frames held before it) goes to the client."""
-        length, kind, flags, _ = http2.parse_header(frame, 0)
+        _, kind, flags, _ = http2.parse_header(frame, 0)
         if kind == http2.GOAWAY:
             return [self._clamp_goaway(frame)]
         self._block.append(frame)
         if not flags & http2.END_HEADERS:
             return []
         frames, self._block = self._block, []
-        fragments = [_fragment(f) for f in frames]
-        if changes_table(b"".join(fragments)):
-            return frames
-        return []
+        _, _, first_flags, stream_id = http2.parse_header(frames[0], 0)
+        fragment = b"".join(_fragment(f) for f in frames)
+        block = self._decode(fragment)
+        if stream_id in self._owner.reset_streams:
+            keep = block.changes_table if block is not None else changes_table(fragment)
+            return frames if keep else []
+        status = block.get(b"grpc-status") if block is not None else None
+        self._owner.response_headers(stream_id, bool(first_flags & http2.END_STREAM), status)
+        return frames
+
+    def _decode(self, fragment: bytes) -> HeaderBlock | None:
+        if self._decoder is None:
+            return None
+        try:
+            return self._decoder.decode(fragment)
+        except HpackError as exc:  # never break the relay over it: stop reading statuses on this connection
+            logger.warning("cannot decode Triton's response headers (%s): statuses not read on this connection", exc)
+            self._decoder = None
+            return None
 
     def _clamp_goaway(self, frame: bytes) -> bytes:
         """Triton's GOAWAY after the proxy's own: its last stream id must not exceed the proxy's (§6.8)."""
