@@ -27,9 +27,17 @@ same bytes, so the two stay in step) to read ``:path``, which the policy table j
 - Compressed messages (grpc-encoding gzip or deflate) are decompressed to be walked, and forwarded as
   they came; other encodings are refused with UNIMPLEMENTED.
 
-Triton → client (:mod:`tritonshare.proxy.grpc_upstream`): bytes pass through untouched; only frame
-headers are read. When Triton cannot be reached, the proxy answers as a minimal HTTP/2 server: each
-stream gets UNAVAILABLE, then GOAWAY; the next connection tries Triton again.
+Triton → client (:mod:`tritonshare.proxy.grpc_upstream`): bytes pass through untouched; frame headers
+are read, and header blocks decoded (cached) for ``grpc-status``. When Triton cannot be reached, the
+proxy answers as a minimal HTTP/2 server: each stream gets UNAVAILABLE, then GOAWAY; the next connection
+tries Triton again. Upstream dying mid-connection closes the client's connection.
+
+Accounting (:class:`ProxyState`): a forwarded stream is in flight from its HEADERS until Triton's trailers
+(code = their grpc-status, e.g. ``ok``, ``invalid_argument``), a RST_STREAM (``reset`` by Triton,
+``cancelled`` by the client) or the connection's end (``closed``); refusals carry the proxy's status
+(``not_found``, ``permission_denied``, ...). Draining sends GOAWAY naming the last stream seen: open streams
+finish, newer ones are refused (REFUSED_STREAM, which clients retry elsewhere), and the connection closes
+once idle.
 """
 
 from __future__ import annotations
