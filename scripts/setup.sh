@@ -3,7 +3,8 @@
 # Idempotent: re-running only fills what is missing.
 #   .venv          the project (editable) with its test tools
 #   .venv-triton   a real Triton server: the nvidia-pytriton wheel (pins numpy<2, so it lives apart)
-#   Debian         nginx (HTTP storage server, proxy baseline), wrk + h2load (load generators)
+#   Debian         nginx (HTTP storage server, proxy baseline), wrk + h2load (load generators),
+#                  promtool (package prometheus: checks the monitoring component's adapter rule)
 # usage: scripts/setup.sh [--bench]     --bench also installs the loader peers (s5cmd, kserve-storage)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ PY=${PYTHON:-python3}
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
 need_apt=()
-for pair in nginx:nginx wrk:wrk h2load:nghttp2-client; do
+for pair in nginx:nginx wrk:wrk h2load:nghttp2-client promtool:prometheus; do
   command -v "${pair%%:*}" >/dev/null 2>&1 || need_apt+=("${pair#*:}")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
