@@ -233,13 +233,27 @@ def environment(c: Container, b: Build) -> Environment:
     return Environment(values=values, from_secrets=secrets)
 
 
-# Downward-API fields known only once the pod runs: stand-ins that name them.
-_RUNTIME_FIELDS = ("metadata.name", "metadata.namespace", "metadata.uid", "spec.nodeName", "status.podIP")
+# Downward-API fields known only once the pod runs: stand-ins shaped like the real values, so the CLI's own
+# checks (a pod UID must make a valid lease file name) run on them.
+POD_UID = "5f3c2a1e-8b7d-4c6a-9e0f-1a2b3c4d5e6f"
+
+
+def runtime_field(workload: Obj, field_path: str) -> str | None:
+    """The stand-in for a downward-API field known only at run time, or None for any other field."""
+    meta = workload["metadata"]
+    return {
+        "metadata.uid": POD_UID,
+        "metadata.name": f"{meta['name']}-7c9d8f6b5-x2k4q",
+        "metadata.namespace": meta.get("namespace", "default"),
+        "spec.nodeName": "gpu-node-1",
+        "status.podIP": "10.0.3.17",
+    }.get(field_path)
 
 
 def _downward(c: Container, field_path: str) -> str:
-    if field_path in _RUNTIME_FIELDS:
-        return f"<{field_path}>"
+    runtime = runtime_field(c.workload, field_path)
+    if runtime is not None:
+        return runtime
     prefix = "metadata.labels['"
     assert field_path.startswith(prefix) and field_path.endswith("']"), f"{c.where}: {field_path}"
     key = field_path[len(prefix) : -2]

@@ -19,7 +19,7 @@ import yaml
 
 from tests.k8s.conftest import BUILDS, OVERLAYS
 from tests.k8s.hardening import check_bounded, check_hardened
-from tests.k8s.kustomize import K8S, KUBERNETES_VERSION, Build, containers, name_of, pod_spec
+from tests.k8s.kustomize import K8S, KUBERNETES_VERSION, WORKLOAD_KINDS, Build, containers, name_of, pod_spec
 from tritonshare import __version__ as PROJECT_VERSION
 
 # Images as the bases name them; the overlays pin them with `images:`.
@@ -41,6 +41,13 @@ CURRENT_FIELDS = {
     "commonAnnotations", "patches", "images", "replicas", "configMapGenerator", "secretGenerator",
     "generatorOptions", "replacements", "helmCharts", "openapi", "buildMetadata", "sortOptions",
 }  # fmt: skip
+
+
+def _holds_workloads(base: Path) -> bool:
+    return any(f"kind: {kind}" in f.read_text() for f in base.glob("*.yaml") for kind in WORKLOAD_KINDS)
+
+
+WORKLOAD_BASES = [p for p in sorted((K8S / "base").iterdir()) if _holds_workloads(p)]
 
 
 def kustomization_files() -> list[Path]:
@@ -100,7 +107,7 @@ def test_kustomizations_use_current_fields_only(path: Path) -> None:
 @pytest.mark.parametrize("base", sorted((K8S / "base").iterdir()), ids=lambda p: p.name)
 def test_base_holds_one_object_per_file(base: Path) -> None:
     kustomization = yaml.safe_load((base / "kustomization.yaml").read_text())
-    listed = set(kustomization["resources"])
+    listed = set(kustomization.get("resources", []))
     for f in sorted(base.glob("*.yaml")):
         if f.name == "kustomization.yaml":
             continue
@@ -117,7 +124,14 @@ def _images(objects: list[dict[str, Any]]) -> set[str]:
     return {c.spec["image"] for o in objects if o["kind"] in ("Deployment", "DaemonSet") for c in containers(o)}
 
 
-@pytest.mark.parametrize("base", sorted((K8S / "base").iterdir()), ids=lambda p: p.name)
+def test_node_folder_settings_are_shared_by_both_bases() -> None:
+    """Paths and lease TTL come from one file for the model pods and Triton's gc (k8s/base/node-folder)."""
+    for base in ("model", "triton"):
+        resources = yaml.safe_load((K8S / "base" / base / "kustomization.yaml").read_text())["resources"]
+        assert "../node-folder" in resources, f"k8s/base/{base} must include the shared node-folder settings"
+
+
+@pytest.mark.parametrize("base", WORKLOAD_BASES, ids=lambda p: p.name)
 def test_bases_name_placeholder_images(base: Path) -> None:
     objects = [d for f in base.glob("*.yaml") for d in yaml.safe_load_all(f.read_text()) if d and "kind" in d]
     images = _images(objects)

@@ -7,15 +7,11 @@ Each test walks every build (overlays, and components on their base) that holds 
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
-import click
 import pytest
 
 from tests.k8s.kustomize import (
@@ -31,85 +27,22 @@ from tests.k8s.kustomize import (
     selector_matches,
     volume,
 )
+from tests.k8s.workloads import (
+    MODEL_LABEL,
+    NODE_ROOT,
+    PLATFORM,
+    TRITONSHARE_IMAGE,
+    cli_params,
+    flags,
+    has_container,
+    models,
+    monitored,
+    port_number,
+    triton_container,
+    tritons,
+)
 from tests.support.triton import TritonServer, triton_available, triton_venv
 from tritonshare.cli import main as cli
-
-TRITONSHARE_IMAGE = re.compile(r"^(?:.+/)?tritonshare(?::|@|$)")
-MODEL_LABEL = "tritonshare.io/model"  # the pod label that holds the model NAME
-MODELS_NAMESPACE_LABEL = "tritonshare.io/models"  # what a namespace needs for its model pods to reach Triton
-NODE_ROOT = "/var/lib/tritonshare"
-PLATFORM = "overlays/gpu"  # the Triton half that model-only overlays run against
-
-Obj = dict[str, Any]
-
-
-def tritons(builds: dict[str, Build]) -> Iterator[tuple[str, Obj]]:
-    found = [(n, o) for n, b in builds.items() for o in b.of_kind("DaemonSet") if _component(o) == "triton"]
-    assert found, "no build holds the Triton DaemonSet"
-    yield from found
-
-
-def models(builds: dict[str, Build], overlays_only: bool = False) -> Iterator[tuple[str, Obj]]:
-    found = [
-        (n, o)
-        for n, b in builds.items()
-        if not overlays_only or n.startswith("overlays/")
-        for o in b.of_kind("Deployment")
-        if _component(o) == "model"
-    ]
-    assert found, "no build holds a model Deployment"
-    yield from found
-
-
-def _component(workload: Obj) -> str | None:
-    return pod_labels(workload).get("app.kubernetes.io/component")
-
-
-def flags(args: list[str]) -> dict[str, str]:
-    out = {}
-    for arg in args:
-        assert arg.startswith("--") and "=" in arg, f"Triton argument {arg!r}: write flags as --name=value"
-        key, value = arg[2:].split("=", 1)
-        out[key] = value
-    return out
-
-
-def triton_container(daemonset: Obj) -> Container:
-    return container(daemonset, "triton")
-
-
-def port_number(c: Container, port: int | str) -> int:
-    if isinstance(port, int):
-        return port
-    for p in c.spec.get("ports", []):
-        if p["name"] == port:
-            number: int = p["containerPort"]
-            return number
-    raise AssertionError(f"{c.where}: no container port named {port!r}")
-
-
-def cli_params(c: Container, b: Build, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Parse the container's command line and environment with the real click CLI, as the pod would."""
-    env = environment(c, b).values
-    sub, *rest = c.spec["args"]
-    # The pod's containers share one ConfigMap: each variable must be read by one of the pod's commands.
-    subs = {sub} | {o.spec["args"][0] for o in containers(c.workload) if o.spec.get("args")}
-    pod_commands = [cli, *(cli.commands[s] for s in subs if s in cli.commands)]
-    known = {p.envvar for cmd in pod_commands for p in cmd.params if isinstance(p.envvar, str)}
-    unknown = sorted(k for k in env if k.startswith("TRITONSHARE_") and k not in known)
-    assert not unknown, f"{c.where}: no command of the pod reads {unknown} — a typo or a missing option?"
-    for key in [k for k in os.environ if k.startswith("TRITONSHARE_")]:
-        monkeypatch.delenv(key)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    try:
-        group = cli.make_context("tritonshare", [sub])
-        params: dict[str, Any] = cli.commands[sub].make_context(sub, list(rest), parent=group).params
-    except click.ClickException as exc:
-        message = f"{c.where}: tritonshare {sub} rejects its environment: {exc.format_message()}"
-        raise AssertionError(message) from exc
-    return params | group.params
-
 
 # --- Triton ------------------------------------------------------------------------------------------------
 
@@ -195,14 +128,15 @@ def test_triton_service_routes_to_the_callers_node_only(builds: dict[str, Build]
         assert spec["internalTrafficPolicy"] == "Local", f"{name}: model pods must reach their own node's Triton"
         assert selector_matches({"matchLabels": spec["selector"]}, pod_labels(daemonset))
         targets = {p["port"]: port_number(triton, p["targetPort"]) for p in spec["ports"]}
-        assert {8000: int(f["http-port"]), 8001: int(f["grpc-port"])}.items() <= targets.items(), name
-        if name.startswith("overlays/"):  # components may open more (monitoring: the metrics port)
-            assert set(targets) == {8000, 8001}, f"{name}: Triton's metrics port reports every tenant"
+        expected = {8000: int(f["http-port"]), 8001: int(f["grpc-port"])}
+        if monitored(builds[name]):  # for the proxies' re-export; admitted for model pods only
+            expected[8002] = int(f["metrics-port"])
+        assert targets == expected, f"{name}: Triton's metrics port reports every tenant: only with monitoring"
 
 
 def test_network_policy_admits_only_model_pods(builds: dict[str, Build]) -> None:
     example = builds["overlays/example"]
-    policy, daemonset = example.one("NetworkPolicy"), example.one("DaemonSet")
+    policy, daemonset = example.get("NetworkPolicy", "tritonshare-triton"), example.one("DaemonSet")
     spec = policy["spec"]
     assert selector_matches(spec["podSelector"], pod_labels(daemonset)), "the policy must select Triton's pods"
     assert set(spec["policyTypes"]) == {"Ingress", "Egress"} and spec["egress"] == []
@@ -221,9 +155,34 @@ def test_network_policy_admits_only_model_pods(builds: dict[str, Build]) -> None
     assert not admitted(model, {"kubernetes.io/metadata.name": "other"}), "a namespace not allowed got in"
     assert not admitted({"app": "anything"}, allowed_ns), "a pod without the model label got in"
     assert not admitted(pod_labels(daemonset), allowed_ns)
-    triton = triton_container(daemonset)
+    triton, f = triton_container(daemonset), flags(triton_container(daemonset).spec["args"])
     ports = {port_number(triton, p["port"]) for rule in spec["ingress"] for p in rule["ports"]}
-    assert ports == {8000, 8001}, f"only Triton's HTTP and gRPC ports, not metrics: {ports}"
+    expected = {int(f["http-port"]), int(f["grpc-port"])}
+    assert monitored(example), "the example shows per-model metrics"
+    assert ports == expected | {int(f["metrics-port"])}, f"HTTP, gRPC and (monitoring) metrics only: {ports}"
+
+
+def test_triton_pods_reach_nothing_but_the_api_server_and_only_to_advertise(builds: dict[str, Build]) -> None:
+    """Triton runs tenants' code: its pod gets no egress, except HTTPS for the advertise init container (a
+    NetworkPolicy applies to the whole pod) where that component is used."""
+    for name, daemonset in tritons(builds):
+        b = builds[name]
+        namespace = daemonset["metadata"]["namespace"]
+        policies = [
+            p["spec"]
+            for p in b.of_kind("NetworkPolicy")
+            if p["metadata"].get("namespace") == namespace
+            and selector_matches(p["spec"]["podSelector"], pod_labels(daemonset))
+        ]
+        assert any("Egress" in p["policyTypes"] and p.get("egress") == [] for p in policies), f"{name}: egress open"
+        opened = [rule for p in policies if "Egress" in p["policyTypes"] for rule in p.get("egress", [])]
+        if not has_container(b, "advertise"):
+            assert not opened, f"{name}: egress from Triton's pod without the advertise component: {opened}"
+            continue
+        for rule in opened:
+            assert rule.get("ports"), f"{name}: egress from Triton's pod to every port: {rule}"
+            ports = {(port["port"], port.get("protocol", "TCP")) for port in rule["ports"]}
+            assert ports <= {(443, "TCP"), (6443, "TCP")}, f"{name}: egress beyond the API server: {rule}"
 
 
 # --- model pods --------------------------------------------------------------------------------------------
@@ -246,20 +205,17 @@ def test_model_pod_loads_then_proxies_one_name_set_once(builds: dict[str, Build]
 def test_every_tritonshare_container_runs_a_command_that_reads_its_environment(
     builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pending = {"gc"}  # components waiting for their command (see test_gc_sidecar_waits_for_its_command)
-    checked = 0
+    checked: set[str] = set()
     for name, b in builds.items():
         for workload in b.workloads():
             for c in containers(workload):
                 if not TRITONSHARE_IMAGE.match(c.spec["image"]) or "command" in c.spec:
                     continue  # Triton, or the node-folder init container's shell
                 sub = c.spec["args"][0]
-                if sub not in cli.commands:
-                    assert sub in pending and name == f"components/{sub}", f"{name}: {c.where} runs {sub!r}"
-                    continue
+                assert sub in cli.commands, f"{name}: {c.where} runs {sub!r}, which tritonshare does not have"
                 cli_params(c, b, monkeypatch)
-                checked += 1
-    assert checked
+                checked.add(sub)
+    assert checked == {"load", "proxy", "gc", "advertise"}, f"containers run only {sorted(checked)}"
 
 
 def test_model_environment_is_what_the_cli_reads(builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -414,17 +370,3 @@ def test_source_overlays(builds: dict[str, Build]) -> None:
     http, b = load("http")
     assert environment(http, b).values["TRITONSHARE_SOURCE"].startswith("https://")
     assert not environment(http, b).from_secrets
-
-
-def test_gc_sidecar_waits_for_its_command(builds: dict[str, Build]) -> None:
-    """The gc component is a slot: enabling it before `tritonshare gc` exists would crash-loop Triton pods."""
-    gc = container(builds["components/gc"].one("DaemonSet"), "gc")
-    assert gc.spec["args"][0] == "gc" and gc.mount("node-folder") is not None
-    assert not gc.mount("node-folder").get("readOnly", False), "gc removes folders"  # type: ignore[union-attr]
-    if "gc" not in cli.commands:
-        using = [n for n, b in builds.items() if n.startswith("overlays/") and _has_container(b, "gc")]
-        assert not using, f"{using} enable the gc sidecar, but `tritonshare gc` does not exist yet"
-
-
-def _has_container(b: Build, name: str) -> bool:
-    return any(c.name == name for w in b.workloads() for c in containers(w))

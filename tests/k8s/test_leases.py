@@ -1,0 +1,127 @@
+"""Leases and garbage collection as the manifests wire them: every model pod tells its loader and proxy who it
+is (downward API), so they hold a lease on NAME in the node's leases/ folder; every Triton pod runs
+`tritonshare gc` over that same folder with the same lease TTL; the node-folder init container creates
+leases/ for the tritonshare UID. Values are read as the real CLI parses them.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import shlex
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.k8s.hardening import check_bounded, check_hardened
+from tests.k8s.kustomize import POD_UID, Build, Container, container, host_path_of, mount_for
+from tests.k8s.workloads import (
+    NODE_ROOT,
+    NODE_UID,
+    cli_params,
+    flags,
+    models,
+    triton_container,
+    tritons,
+)
+
+IDENTITY = {
+    "TRITONSHARE_POD_UID": "metadata.uid",
+    "TRITONSHARE_POD_NAME": "metadata.name",
+    "TRITONSHARE_POD_NAMESPACE": "metadata.namespace",
+}
+FOLDERS = {"repository": "models", "staging": "staging", "leases": "leases"}  # option → folder in NODE_ROOT
+
+
+def test_loader_and_proxy_hold_a_lease_as_their_pod(builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, deployment in models(builds):
+        for c in (container(deployment, "load"), container(deployment, "proxy")):
+            for var, field in IDENTITY.items():
+                expected = {"name": var, "valueFrom": {"fieldRef": {"fieldPath": field}}}
+                assert c.env_value(var) == expected, f"{name}: {c.where} needs {var} from the downward API"
+    for name, deployment in models(builds, overlays_only=True):
+        meta = deployment["metadata"]
+        for c in (container(deployment, "load"), container(deployment, "proxy")):
+            params = cli_params(c, builds[name], monkeypatch)
+            # Without a UID no lease is taken, and gc would remove the model once older than the TTL.
+            assert params["pod_uid"] == POD_UID, f"{name}: {c.where} takes no lease"
+            assert params["pod_name"].startswith(meta["name"] + "-"), f"{name}: {c.where} pod name"
+            assert params["pod_namespace"] == meta.get("namespace", "default"), f"{name}: {c.where} namespace"
+            leases = str(params["leases"])
+            assert host_path_of(c, leases) == f"{NODE_ROOT}/leases", f"{c.where}: leases at {leases}"
+            mount = mount_for(c, leases)
+            assert mount is not None and not mount.get("readOnly", False), f"{c.where}: must write its lease"
+
+
+def test_every_triton_pod_runs_gc_over_the_model_pods_folder(
+    builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, daemonset in tritons(builds):
+        gc = container(daemonset, "gc")
+        assert not gc.init and gc.spec["args"] == ["gc"], f"{name}: {gc.where} is not a `tritonshare gc` sidecar"
+        check_hardened(gc)
+        check_bounded(gc)
+        assert gc.effective("runAsUser") == NODE_UID, f"{name}: gc must run as the node folder's owner"
+        params = cli_params(gc, builds[name], monkeypatch)
+        assert not params["once"], f"{name}: gc must keep running"
+        triton_http = int(flags(triton_container(daemonset).spec["args"])["http-port"])
+        url = urlsplit(params["triton_url"])
+        assert (url.hostname, url.port) == ("127.0.0.1", triton_http), f"{name}: gc must ask its own pod's Triton"
+        for option, folder in FOLDERS.items():
+            path = str(params[option])
+            assert host_path_of(gc, path) == f"{NODE_ROOT}/{folder}", f"{name}: gc {option} is {path}"
+            mount = mount_for(gc, path)
+            assert mount is not None and not mount.get("readOnly", False), f"{name}: gc renames out and deletes"
+        assert mount_for(gc, str(params["repository"])) is mount_for(gc, str(params["staging"])), name
+
+
+def test_one_lease_ttl_for_loaders_proxies_and_gc(builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch) -> None:
+    """gc's TTL decides when a pod counts as dead; the proxy refreshes ten times per its own TTL."""
+    ttls: dict[str, float] = {}
+    for name, daemonset in tritons(builds):
+        gc = container(daemonset, "gc")
+        ttls[f"{name}: {gc.where}"] = cli_params(gc, builds[name], monkeypatch)["lease_ttl_s"]
+    for name, deployment in models(builds, overlays_only=True):
+        for c in (container(deployment, "load"), container(deployment, "proxy")):
+            ttls[f"{name}: {c.where}"] = cli_params(c, builds[name], monkeypatch)["lease_ttl_s"]
+    assert len(set(ttls.values())) == 1, f"lease TTLs differ: {ttls}"
+
+
+def test_node_folder_init_creates_every_folder_for_the_tritonshare_uid(
+    builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, daemonset in tritons(builds):
+        created, owned = _shell_effects(container(daemonset, "node-folder"))
+        gc = container(daemonset, "gc")
+        params = cli_params(gc, builds[name], monkeypatch)
+        needed = {_on_node(gc, str(params[option])) for option in FOLDERS}
+        assert needed <= created, f"{name}: the node-folder init container creates {sorted(created)} only"
+        assert needed | {NODE_ROOT} <= owned, f"{name}: it hands only {sorted(owned)} to UID {NODE_UID}"
+
+
+def _shell_effects(c: Container) -> tuple[set[str], set[str]]:
+    """The node folders a node-folder script creates and those it gives to the tritonshare UID. The script
+    may only change directory, create folders and chown: anything else fails (it runs as root)."""
+    cwd, created, owned = "/", set[str](), set[str]()
+    for line in c.spec["args"][0].splitlines():
+        if not line.strip():
+            continue
+        command, *words = shlex.split(line)
+        if command == "chown":
+            assert words[0] == f"{NODE_UID}:{NODE_UID}", f"{c.where}: {line!r}"
+            words = words[1:]
+        paths = {posixpath.normpath(posixpath.join(cwd, w)) for w in words if not w.startswith("-")}
+        if command == "cd":
+            (cwd,) = paths
+        elif command == "mkdir":
+            created |= paths
+        elif command == "chown":
+            owned |= paths
+        else:
+            raise AssertionError(f"{c.where}: the root init container runs {line!r}")
+    return {_on_node(c, p) for p in created}, {_on_node(c, p) for p in owned}
+
+
+def _on_node(c: Container, path: str) -> str:
+    node_path = host_path_of(c, path)
+    assert node_path is not None, f"{c.where}: {path} is not on the node folder's mount"
+    return node_path
