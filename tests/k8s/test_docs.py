@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from tests.k8s.hardening import check_bounded, check_hardened
-from tests.k8s.kustomize import KUBERNETES_VERSION, container, containers, pod_labels, pod_spec
+from tests.k8s.kustomize import KUBERNETES_VERSION, POD_UID, Build, container, containers, pod_labels, pod_spec
+from tests.k8s.workloads import IDENTITY, cli_params
 from tests.support.triton import REPO_ROOT
 from tritonshare import __version__
 
@@ -53,3 +54,14 @@ def test_documented_deployment_keeps_the_model_pod_contract() -> None:
     assert [v["hostPath"]["path"] for v in pod_spec(deployment)["volumes"] if "hostPath" in v] == [
         "/var/lib/tritonshare"
     ]
+
+
+def test_documented_deployment_holds_leases_as_its_pod(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the pod's UID no lease is taken, and gc would remove the model while the pod serves it."""
+    deployment = next(o for o in _documented_objects() if o["kind"] == "Deployment")
+    snippet = Build(name="docs/kubernetes.md", objects=[deployment], stderr="")
+    for c in (container(deployment, "load"), container(deployment, "proxy")):
+        for var, field in IDENTITY.items():
+            assert c.env_value(var) == {"name": var, "valueFrom": {"fieldRef": {"fieldPath": field}}}, c.where
+        params = cli_params(c, snippet, monkeypatch)
+        assert params["pod_uid"] == POD_UID and params["name"] == "my_model", f"docs: {c.where}"

@@ -15,6 +15,7 @@ import pytest
 from tests.k8s.hardening import check_bounded, check_hardened
 from tests.k8s.kustomize import POD_UID, Build, Container, container, host_path_of, mount_for
 from tests.k8s.workloads import (
+    IDENTITY,
     NODE_ROOT,
     NODE_UID,
     cli_params,
@@ -24,11 +25,6 @@ from tests.k8s.workloads import (
     tritons,
 )
 
-IDENTITY = {
-    "TRITONSHARE_POD_UID": "metadata.uid",
-    "TRITONSHARE_POD_NAME": "metadata.name",
-    "TRITONSHARE_POD_NAMESPACE": "metadata.namespace",
-}
 FOLDERS = {"repository": "models", "staging": "staging", "leases": "leases"}  # option → folder in NODE_ROOT
 
 

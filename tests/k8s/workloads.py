@@ -21,6 +21,12 @@ MODELS_NAMESPACE_LABEL = "tritonshare.io/models"  # what a namespace needs for i
 NODE_ROOT = "/var/lib/tritonshare"
 NODE_UID = 65532  # USER of images/Dockerfile, owner of the node folder
 PLATFORM = "overlays/gpu"  # the Triton half that model-only overlays run against
+# What a model pod's loader and proxy need from the downward API to hold a lease as their pod.
+IDENTITY = {
+    "TRITONSHARE_POD_UID": "metadata.uid",
+    "TRITONSHARE_POD_NAME": "metadata.name",
+    "TRITONSHARE_POD_NAMESPACE": "metadata.namespace",
+}
 
 Obj = dict[str, Any]
 
