@@ -19,8 +19,8 @@ BUILDS = [f"overlays/{n}" for n in OVERLAYS] + [f"components/{n}" for n in COMPO
 
 @pytest.fixture(scope="session")
 def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Build]:
-    """Overlays as they are; each component on the Triton and model bases together, so a component no
-    overlay uses yet (gc) is built and validated too."""
+    """Overlays as they are; each component on the Triton and model bases together, so every component is
+    built and validated on its own, also where no overlay uses it."""
 
     def component(comp: Path) -> Build:
         tmp = tmp_path_factory.mktemp(f"component-{comp.name}")

@@ -91,7 +91,7 @@ def test_image_user_owns_the_node_folder(dockerfile: Dockerfile, builds: dict[st
     uid, gid = _uid_gid(dockerfile)
     daemonset = builds["overlays/gpu"].one("DaemonSet")
     node_folder = next(c for c in containers(daemonset) if c.name == "node-folder")
-    assert f"chown {uid}:{gid} " in node_folder.spec["args"][0]
+    assert node_folder.spec["command"][:2] == ["chown", f"{uid}:{gid}"], node_folder.spec["command"]
     for name, b in builds.items():
         for workload in b.workloads():
             for c in containers(workload):

@@ -6,14 +6,12 @@ leases/ for the tritonshare UID. Values are read as the real CLI parses them.
 
 from __future__ import annotations
 
-import posixpath
-import shlex
 from urllib.parse import urlsplit
 
 import pytest
 
 from tests.k8s.hardening import check_bounded, check_hardened
-from tests.k8s.kustomize import POD_UID, Build, Container, container, host_path_of, mount_for
+from tests.k8s.kustomize import POD_UID, Build, Container, container, containers, host_path_of, mount_for
 from tests.k8s.workloads import (
     IDENTITY,
     NODE_ROOT,
@@ -85,36 +83,27 @@ def test_one_lease_ttl_for_loaders_proxies_and_gc(builds: dict[str, Build], monk
 def test_node_folder_init_creates_every_folder_for_the_tritonshare_uid(
     builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Root hands the node folder to the tritonshare UID, which then creates the sub-folders gc and the model
+    pods use: root without CAP_DAC_OVERRIDE could not create them in a folder that UID already owns."""
     for name, daemonset in tritons(builds):
-        created, owned = _shell_effects(container(daemonset, "node-folder"))
+        inits = [c.name for c in containers(daemonset) if c.init]
+        chown, layout = container(daemonset, "node-folder"), container(daemonset, "node-layout")
+        assert inits.index("node-folder") < inits.index("node-layout"), f"{name}: init order {inits}"
+        assert layout.effective("runAsUser") == NODE_UID, f"{name}: {layout.where} must create as the owner"
+        owner, *owned = _argv(chown)[1:]
+        assert _argv(chown)[0] == "chown" and owner == f"{NODE_UID}:{NODE_UID}", f"{name}: {chown.where}"
+        assert {_on_node(chown, p) for p in owned} == {NODE_ROOT}, f"{name}: root chowns {owned}"
+        assert _argv(layout)[:2] == ["mkdir", "-p"], f"{name}: {layout.where}"
+        created = {_on_node(layout, p) for p in _argv(layout)[2:]}
         gc = container(daemonset, "gc")
         params = cli_params(gc, builds[name], monkeypatch)
         needed = {_on_node(gc, str(params[option])) for option in FOLDERS}
-        assert needed <= created, f"{name}: the node-folder init container creates {sorted(created)} only"
-        assert needed | {NODE_ROOT} <= owned, f"{name}: it hands only {sorted(owned)} to UID {NODE_UID}"
+        assert needed <= created, f"{name}: {layout.where} creates {sorted(created)} only"
 
 
-def _shell_effects(c: Container) -> tuple[set[str], set[str]]:
-    """The node folders a node-folder script creates and those it gives to the tritonshare UID. The script
-    may only change directory, create folders and chown: anything else fails (it runs as root)."""
-    cwd, created, owned = "/", set[str](), set[str]()
-    for line in c.spec["args"][0].splitlines():
-        if not line.strip():
-            continue
-        command, *words = shlex.split(line)
-        if command == "chown":
-            assert words[0] == f"{NODE_UID}:{NODE_UID}", f"{c.where}: {line!r}"
-            words = words[1:]
-        paths = {posixpath.normpath(posixpath.join(cwd, w)) for w in words if not w.startswith("-")}
-        if command == "cd":
-            (cwd,) = paths
-        elif command == "mkdir":
-            created |= paths
-        elif command == "chown":
-            owned |= paths
-        else:
-            raise AssertionError(f"{c.where}: the root init container runs {line!r}")
-    return {_on_node(c, p) for p in created}, {_on_node(c, p) for p in owned}
+def _argv(c: Container) -> list[str]:
+    argv: list[str] = c.spec["command"] + c.spec.get("args", [])
+    return argv
 
 
 def _on_node(c: Container, path: str) -> str:
