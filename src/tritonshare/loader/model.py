@@ -214,12 +214,16 @@ def _name_values(tokens: list[Token]) -> list[tuple[int, int]]:
     for i, token in enumerate(tokens):
         if token.kind == "symbol":
             depth += (token.text in _OPENING) - (token.text in _CLOSING)
-        elif depth == 0 and token.kind == "ident" and token.text == "name" and tokens[i + 1].text == ":":
+        elif depth == 0 and token.kind == "ident" and token.text == "name" and _is_colon(tokens, i + 1):
             last = i + 2
             while last + 1 < len(tokens) and tokens[last + 1].kind == "string":
                 last += 1
             spans.append((tokens[i + 2].start, tokens[last].end))
     return spans
+
+
+def _is_colon(tokens: list[Token], i: int) -> bool:
+    return i < len(tokens) and tokens[i].text == ":"
 
 
 def with_name(text: str, name: str, where: str) -> str:
