@@ -35,6 +35,7 @@ from tests.support.install import install_model, wait_model_ready
 from tests.support.models import write_model
 from tests.support.proxy import ProxyProcess
 from tests.support.triton import TritonServer
+from tritonshare.common.errors import UsageError
 from tritonshare.common.layout import NodeLayout
 from tritonshare.proxy.rest import RestFrontend
 from tritonshare.proxy.settings import ProxySettings
@@ -606,3 +607,13 @@ def test_new_request_while_draining_gets_503_and_close(local: LocalRest, own: st
         status, headers, body = conn.send(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n").response()
         assert status == 503 and headers["connection"] == "close" and "shutting down" in error_of(body)
         assert conn.closed_by_peer()
+
+
+def test_a_port_in_use_is_a_usage_error(proxy: ProxyProcess, own: str) -> None:
+    settings = ProxySettings(name=own, host="127.0.0.1", http_port=proxy.http_port)
+
+    async def start() -> None:
+        await RestFrontend(ProxyState(settings)).start()
+
+    with pytest.raises(UsageError, match=f"cannot listen on 127.0.0.1:{proxy.http_port}.*--http-port"):
+        asyncio.run(start())

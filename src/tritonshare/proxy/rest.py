@@ -26,6 +26,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import cast
 
+from tritonshare.common.errors import UsageError
 from tritonshare.proxy.http1 import (
     CONTINUE,
     HttpError,
@@ -71,6 +72,7 @@ class Judged:
 
 
 def judge_head(raw: bytes, own: str, strip: frozenset[bytes], host: bytes) -> Judged:
+    """Parse a request head (raises :class:`HttpError`), judge it, and build what forwarding it needs."""
     head = parse_request_head(raw, strip)
     decision = judge_rest(head.method, head.target, own)
     if decision.status:
@@ -111,9 +113,15 @@ class RestFrontend:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         settings = self.state.settings
-        self._server = await loop.create_server(
-            lambda: ClientConnection(self), settings.host, settings.http_port, backlog=1024, reuse_address=True
-        )
+        try:
+            self._server = await loop.create_server(
+                lambda: ClientConnection(self), settings.host, settings.http_port, backlog=1024, reuse_address=True
+            )
+        except OSError as exc:
+            raise UsageError(
+                f"REST: cannot listen on {settings.host}:{settings.http_port}: {exc.strerror or exc} — "
+                "choose another --http-port or --host"
+            ) from exc
         self._port = int(self._server.sockets[0].getsockname()[1])
 
     def stop_accepting(self) -> None:
