@@ -23,13 +23,8 @@ from tritonshare.common.errors import (
     TransientSourceError,
     UnsafeArchive,
 )
-from tritonshare.loader.download import (
-    DownloadOptions,
-    download_all,
-    file_digest,
-    list_objects,
-    listed_bytes,
-)
+from tritonshare.loader.checksum import file_digest
+from tritonshare.loader.download import DownloadOptions, download_all, list_objects, listed_bytes
 from tritonshare.loader.settings import LoaderSettings
 from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject
 from tritonshare.loader.sources.local import LocalSource

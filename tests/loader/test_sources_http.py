@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections.abc import Iterator
 from email.message import Message
 from pathlib import Path
 
@@ -14,7 +15,6 @@ from tests.support.ports import free_port
 from tests.support.storage import Fault, HttpFileServer, make_tar
 from tritonshare.common.errors import SourceAccessDenied, SourceNotFound, TransientSourceError
 from tritonshare.loader.download import DownloadOptions, download_all, list_objects
-from tritonshare.loader.sources import open_source
 from tritonshare.loader.sources.http import HttpSource, checksum_from
 
 pytestmark = pytest.mark.storage
@@ -30,8 +30,24 @@ def archive(tmp_path: Path) -> Path:
     return make_tar(folder, tmp_path / "model.tar.gz", arcname="model")
 
 
+@pytest.fixture(autouse=True)
+def _close_sources() -> Iterator[None]:
+    yield
+    while _OPENED:
+        _OPENED.pop().close()
+
+
+_OPENED: list[HttpSource] = []
+
+
+def opened(url: str) -> HttpSource:
+    """An HttpSource for ``url``, closed at the end of the test (its connections stay open until then)."""
+    _OPENED.append(HttpSource(url))
+    return _OPENED[-1]
+
+
 def download(uri: str, dest: Path, options: DownloadOptions = FAST) -> None:
-    source = open_source(uri)
+    source = opened(uri)
     download_all(source, list_objects(source, options), dest, options)
 
 
@@ -39,7 +55,7 @@ def test_a_url_is_one_file_with_size_version_and_the_servers_checksum(
     http_server: HttpFileServer, archive: Path
 ) -> None:
     url = http_server.serve(archive)
-    (obj,) = open_source(url + "?X-Amz-Signature=abc").list()
+    (obj,) = opened(url + "?X-Amz-Signature=abc").list()
     data = archive.read_bytes()
     assert (obj.relpath, obj.size, obj.version) == ("model.tar.gz", len(data), f'"{hashlib.md5(data).hexdigest()}"')
     assert obj.checksum is not None and obj.checksum.value == hashlib.sha256(data).hexdigest()
@@ -53,7 +69,7 @@ def test_an_archive_downloads_byte_for_byte(http_server: HttpFileServer, archive
 
 def test_a_missing_file_is_not_found(http_server: HttpFileServer) -> None:
     with pytest.raises(SourceNotFound, match=r"/nope.tar.gz: not found \(HTTP 404 Not Found\) — check the URL"):
-        open_source(http_server.url("nope.tar.gz")).list()
+        opened(http_server.url("nope.tar.gz")).list()
 
 
 @pytest.mark.parametrize("status", [401, 403])
@@ -61,13 +77,13 @@ def test_a_refusal_is_access_denied(http_server: HttpFileServer, archive: Path, 
     url = http_server.serve(archive)
     http_server.fail("/model.tar.gz", Fault(status=status))
     with pytest.raises(SourceAccessDenied, match=rf"access denied \(HTTP {status} .*pre-signed URL"):
-        HttpSource(url).list()
+        opened(url).list()
 
 
 def test_a_server_refusing_head_is_asked_with_get(http_server: HttpFileServer, archive: Path) -> None:
     url = http_server.serve(archive)
     http_server.fail("/model.tar.gz", Fault(status=405, times=1))
-    (obj,) = HttpSource(url).list()
+    (obj,) = opened(url).list()
     assert obj.size == archive.stat().st_size
     assert [method for method, _ in http_server.requests] == ["HEAD", "GET"]
 
@@ -76,13 +92,13 @@ def test_a_server_answering_500_is_retried_then_transient(http_server: HttpFileS
     url = http_server.serve(archive)
     http_server.fail("/model.tar.gz", Fault(status=500))
     with pytest.raises(TransientSourceError, match=r"the server failed \(HTTP 500 .*gave up after 3 attempts"):
-        list_objects(HttpSource(url), FAST)
+        list_objects(opened(url), FAST)
     assert len(http_server.requests) == 3
 
 
 def test_a_failed_transfer_is_retried(http_server: HttpFileServer, archive: Path, tmp_path: Path) -> None:
     url = http_server.serve(archive)
-    source = HttpSource(url)
+    source = opened(url)
     objects = source.list()
     http_server.fail("/model.tar.gz", Fault(status=503, times=1))
     stats = download_all(source, objects, tmp_path, FAST)
@@ -93,7 +109,7 @@ def test_a_stall_mid_body_times_out_and_the_retry_completes(
     http_server: HttpFileServer, archive: Path, tmp_path: Path
 ) -> None:
     url = http_server.serve(archive)
-    source = HttpSource(url)
+    source = opened(url)
     objects = source.list()
     http_server.fail("/model.tar.gz", Fault(stall_after_bytes=100_000, times=1))
     stats = download_all(source, objects, tmp_path, FAST)
@@ -104,7 +120,7 @@ def test_a_server_that_keeps_stalling_fails_as_transient_in_bounded_time(
     http_server: HttpFileServer, archive: Path, tmp_path: Path
 ) -> None:
     url = http_server.serve(archive)
-    source = HttpSource(url)
+    source = opened(url)
     objects = source.list()
     http_server.fail("/model.tar.gz", Fault(stall_after_bytes=0))
     started = time.monotonic()
@@ -117,7 +133,7 @@ def test_the_overall_deadline_stops_a_download_that_keeps_stalling(
     http_server: HttpFileServer, archive: Path, tmp_path: Path
 ) -> None:
     url = http_server.serve(archive)
-    source = HttpSource(url)
+    source = opened(url)
     objects = source.list()
     http_server.fail("/model.tar.gz", Fault(stall_after_bytes=1000))
     options = DownloadOptions(retries=100, backoff_base_s=0.01, stall_timeout_s=0.3, download_timeout_s=1.0)
@@ -140,7 +156,7 @@ def test_corrupted_bytes_are_caught_by_the_servers_checksum(
 
 def test_nobody_listening_is_transient() -> None:
     with pytest.raises(TransientSourceError, match=r"connection failed .*Connection refused"):
-        HttpSource(f"http://127.0.0.1:{free_port()}/m.tar.gz").list()
+        opened(f"http://127.0.0.1:{free_port()}/m.tar.gz").list()
 
 
 def headers(**values: str) -> Message:

@@ -1,36 +1,38 @@
 """The download engine: many objects from one source into a fresh folder, fast and bounded.
 
-* Concurrent across objects: ``options.concurrency`` threads share the one source (its SDK client and
-  connection pool); the largest objects start first so a big file does not finish last alone. Objects
-  larger than two ``part_bytes`` are fetched as ranged parts by the same threads when the source can
-  (:class:`RangedSource`): one connection to S3 carries ~100 MB/s, a model file may be many GiB.
-* Bounded memory: sources stream in fixed chunks (:mod:`tritonshare.loader.sources.stream`).
+* Concurrent across objects: ``options.concurrency`` threads share the one source (its connections); the
+  largest objects start first so a big file does not finish last alone. Objects larger than two
+  ``part_bytes`` are fetched as ranged parts by the same threads when the source can
+  (:class:`~tritonshare.loader.sources.stream.StreamSource`): one connection to S3 carries ~100 MB/s, a
+  model file may be many GiB.
+* One pass over the bytes: a stream source's bytes are read into one reused buffer per thread, written
+  with ``pwrite`` and fed to the checksum from that same buffer; big objects are hashed along a frontier as
+  their parts land (:mod:`tritonshare.loader.parts`). Memory stays at one buffer per thread.
 * Retried: an attempt that fails with :class:`TransientSourceError` (network, 5xx, throttling, a stalled
   read, a size or checksum mismatch) is repeated after an exponential backoff with jitter, up to
-  ``options.retries`` more times; permanent errors stop the whole download at once.
+  ``options.retries`` more times; a part resumes where it stopped; permanent errors stop the whole download.
 * Deadlines: each read is bounded by ``stall_timeout_s`` inside the source (kserve#5611), the whole
   transfer by ``download_timeout_s``. On any failure the other transfers are cancelled and their threads
   joined before the error is raised, so nothing writes into the folder afterwards.
-* Verified: each object's size and, where the store gives one, its checksum.
+* Verified: each object's size and, where the store states one, its cheapest checksum
+  (:mod:`tritonshare.loader.checksum`).
 * Progress (bytes, MiB/s) is logged every ``progress_interval_s``.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
+import os
 import random
 import threading
 import time
-import zlib
-from base64 import b64encode
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path, PurePosixPath
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TypeVar
 
 from tritonshare.common.errors import (
     InsufficientSpace,
@@ -39,8 +41,11 @@ from tritonshare.common.errors import (
     TritonshareError,
     UnsafeArchive,
 )
+from tritonshare.loader.checksum import Hasher, cheapest, check, check_size, hasher_for, verify_file
+from tritonshare.loader.parts import Split
 from tritonshare.loader.settings import LoaderSettings
-from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, Source
+from tritonshare.loader.sources.base import Progress, RemoteObject, Source
+from tritonshare.loader.sources.stream import CHUNK_BYTES, Body, Part, StreamSource, write_all
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +55,6 @@ Random = Callable[[], float]  # uniform in [0, 1)
 T = TypeVar("T")
 
 MIB = 1 << 20
-_HASH_CHUNK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,10 +66,10 @@ class DownloadOptions:
     backoff_base_s: float = 0.5  # first retry waits 0.5-1x this, doubling per attempt
     backoff_max_s: float = 30.0
     progress_interval_s: float = 5.0
-    # Sizes are always checked. The checksum pass re-reads each file: MD5 costs ~2 CPU-s per GiB here,
-    # CRC32C far less; off only to measure what verification costs (bench/loader_bench.py).
+    # Sizes are always checked. Checksums are computed in the same pass as the writes: MD5 costs ~1.5 CPU-s
+    # per GiB here, CRC32C ~0.05; off only to measure what verification costs (bench/loader_bench.py).
     verify_checksums: bool = True
-    part_bytes: int = 32 * MIB  # objects over twice this are fetched in ranged parts, when the source can
+    part_bytes: int = 8 * MIB  # objects over twice this are fetched in ranged parts, when the source can
 
     @classmethod
     def from_settings(cls, settings: LoaderSettings) -> DownloadOptions:
@@ -95,27 +99,6 @@ class DownloadStats:
         return self.bytes / MIB / self.seconds if self.seconds > 0 else 0.0
 
 
-@runtime_checkable
-class RangedSource(Protocol):
-    """What a source adds to be fetched in parallel parts (S3 has it)."""
-
-    def fetch_range(
-        self, obj: RemoteObject, dest: Path, offset: int, length: int, progress: Progress, stall_timeout_s: float
-    ) -> int:
-        """Write bytes ``offset`` to ``offset + length`` of ``obj`` into the existing file ``dest`` at the
-        same offset; return how many were written. Errors as for ``Source.fetch``."""
-        ...
-
-
-@dataclass
-class _Split:
-    """An object fetched as ranged parts; the thread finishing the last part verifies it."""
-
-    obj: RemoteObject
-    target: Path
-    parts_left: int
-
-
 class _Cancelled(TritonshareError):
     """Raised inside a worker once the download as a whole has failed; never seen by callers."""
 
@@ -129,7 +112,7 @@ def list_objects(
     source: Source, options: DownloadOptions, *, sleep: Sleep = time.sleep, rand: Random = random.random
 ) -> list[RemoteObject]:
     """``source.list()``, retried on transient errors like a download."""
-    return _retrying(source.list, options, sleep, rand)
+    return with_retries(source.list, options, sleep, rand)
 
 
 def download_all(
@@ -190,6 +173,7 @@ class _Transfer:
         self.sleep = sleep
         self.rand = rand
         self.cancelled = threading.Event()
+        self.local = threading.local()
         self.lock = threading.Lock()
         self.bytes_done = 0
         self.objects_done = 0
@@ -258,33 +242,31 @@ class _Transfer:
         )
 
     def _tasks(self, obj: RemoteObject, target: Path) -> list[Callable[[], None]]:
-        part = self.options.part_bytes
-        if part <= 0 or obj.size <= 2 * part or not isinstance(self.source, RangedSource):
-            return [lambda: self._object(obj, target)]
+        part_bytes = self.options.part_bytes
+        source = self.source
+        if part_bytes <= 0 or obj.size <= 2 * part_bytes or not isinstance(source, StreamSource):
+            return [partial(self._object, obj, target)]
+        if not source.ranged(obj):
+            return [partial(self._object, obj, target)]
         try:
             with open(target, "wb") as fh:
                 fh.truncate(obj.size)  # sparse: the parts fill it in place
         except OSError as exc:
             raise _write_error(target, exc) from exc
-        offsets = range(0, obj.size, part)
-        split = _Split(obj=obj, target=target, parts_left=len(offsets))
-        return [partial(self._part, split, offset, min(part, obj.size - offset)) for offset in offsets]
+        split = Split(obj, target, part_bytes, obj.checksum if self.options.verify_checksums else None)
+        return [partial(self._part, split, index) for index in range(len(split.parts))]
 
     def _object(self, obj: RemoteObject, target: Path) -> None:
-        _retrying(lambda: self._attempt(obj, target), self.options, self._pause, self.rand)
+        with_retries(lambda: self._attempt(obj, target), self.options, self._pause, self.rand)
         with self.lock:
             self.objects_done += 1
 
-    def _part(self, split: _Split, offset: int, length: int) -> None:
-        _retrying(
-            lambda: self._attempt(split.obj, split.target, (offset, length)), self.options, self._pause, self.rand
-        )
-        with self.lock:
-            split.parts_left -= 1
-            if split.parts_left:
-                return
+    def _part(self, split: Split, index: int) -> None:
+        with_retries(lambda: self._attempt_part(split, index), self.options, self._pause, self.rand)
+        if not split.complete(index):
+            return
         try:
-            verify(split.obj, split.target, checksum=self.options.verify_checksums)
+            self._guarded(split.target, lambda: self._verify_split(split))
         except TransientSourceError as exc:  # the parts do not add up: fetch it again, in one piece
             logger.warning("%s — fetching it again in one piece", exc)
             with self.lock:
@@ -294,39 +276,124 @@ class _Transfer:
         with self.lock:
             self.objects_done += 1
 
-    def _attempt(self, obj: RemoteObject, target: Path, part: tuple[int, int] | None = None) -> None:
-        if self.cancelled.is_set():
-            raise _Cancelled(f"{obj.key}: cancelled")
+    def _attempt(self, obj: RemoteObject, target: Path) -> None:
+        """One attempt at a whole object; on failure its bytes no longer count as done."""
         landed = 0
 
         def progress(count: int) -> None:
             nonlocal landed
-            if self.cancelled.is_set():
-                raise _Cancelled(f"{obj.key}: cancelled")
             landed += count
-            with self.lock:
-                self.bytes_done += count
+            self._progress(obj, count)
 
         try:
-            self._transfer(obj, target, part, progress)
-        except BaseException as exc:
+            self._guarded(target, lambda: self._fetch(obj, target, progress))
+        except BaseException:
             with self.lock:
                 self.bytes_done -= landed
-            if isinstance(exc, OSError):
-                raise _write_error(target, exc) from exc
             raise
 
-    def _transfer(self, obj: RemoteObject, target: Path, part: tuple[int, int] | None, progress: Progress) -> None:
-        stall = self.options.stall_timeout_s
-        if part is None:
-            self.source.fetch(obj, target, progress, stall)
-            verify(obj, target, checksum=self.options.verify_checksums)
+    def _attempt_part(self, split: Split, index: int) -> None:
+        """One attempt at what part ``index`` still needs; the bytes it lands stay landed."""
+        remaining = split.remaining(index)
+        if remaining is None:
             return
-        assert isinstance(self.source, RangedSource)
-        offset, length = part
-        written = self.source.fetch_range(obj, target, offset, length, progress, stall)
-        if written != length:
-            raise TransientSourceError(f"{obj.key}: bytes {offset}-{offset + length - 1}: got {written} bytes")
+
+        def landed(count: int) -> None:
+            split.landed(index, count)
+            self._progress(split.obj, count)
+
+        self._guarded(split.target, lambda: self._fetch_part(split, remaining, landed))
+        if split.remaining(index) is not None:
+            part = split.parts[index]
+            raise TransientSourceError(
+                f"{split.obj.key}: bytes {part.offset}-{part.offset + part.length - 1}: the store sent fewer bytes"
+            )
+
+    def _fetch(self, obj: RemoteObject, target: Path, progress: Progress) -> None:
+        source = self.source
+        if not isinstance(source, StreamSource):  # a source that writes its files itself
+            source.fetch(obj, target, progress, self.options.stall_timeout_s)
+            verify_file(obj, target, checksum=self.options.verify_checksums)
+            return
+        body = source.open(obj, self.options.stall_timeout_s)
+        try:
+            expected = cheapest(body.checksum, obj.checksum) if self.options.verify_checksums else None
+            hasher = hasher_for(expected.algorithm) if expected else None
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            try:
+                size = self._copy(body, fd, 0, None, hasher, progress)
+            finally:
+                os.close(fd)
+        finally:
+            body.close()
+        check_size(obj, size)
+        if expected is not None and hasher is not None:
+            check(obj, expected, hasher)
+
+    def _fetch_part(self, split: Split, part: Part, landed: Progress) -> None:
+        assert isinstance(self.source, StreamSource)
+        body = self.source.open(split.obj, self.options.stall_timeout_s, part)
+        buffer = self._buffer()
+        try:
+            fd = os.open(split.target, os.O_RDWR)
+            try:
+
+                def chunk_landed(count: int) -> None:
+                    landed(count)
+                    split.catch_up(fd, buffer)  # the buffer is free again until the next read
+
+                self._copy(body, fd, part.offset, part.length, None, chunk_landed)
+            finally:
+                os.close(fd)
+        finally:
+            body.close()
+
+    def _verify_split(self, split: Split) -> None:
+        fd = os.open(split.target, os.O_RDONLY)
+        try:
+            split.verify(fd, self._buffer())
+        finally:
+            os.close(fd)
+
+    def _copy(
+        self, body: Body, fd: int, offset: int, limit: int | None, hasher: Hasher | None, progress: Progress
+    ) -> int:
+        """Read ``body`` (at most ``limit`` bytes) into the thread's buffer, write it at ``offset``, hash it."""
+        buffer = self._buffer()
+        total = 0
+        while limit is None or total < limit:
+            count = body.readinto(buffer if limit is None else buffer[: min(len(buffer), limit - total)])
+            if not count:
+                break
+            chunk = buffer[:count]
+            write_all(fd, chunk, offset + total)
+            if hasher is not None:
+                hasher.update(chunk)
+            total += count
+            progress(count)
+        return total
+
+    def _progress(self, obj: RemoteObject, count: int) -> None:
+        if self.cancelled.is_set():
+            raise _Cancelled(f"{obj.key}: cancelled")
+        with self.lock:
+            self.bytes_done += count
+
+    def _guarded(self, target: Path, call: Callable[[], None]) -> None:
+        """``call``, unless the download was cancelled; a failed write (a full disk) named as such."""
+        if self.cancelled.is_set():
+            raise _Cancelled(f"{target.name}: cancelled")
+        try:
+            call()
+        except OSError as exc:
+            raise _write_error(target, exc) from exc
+
+    def _buffer(self) -> memoryview:
+        """This thread's read buffer: one per thread, reused for every object it transfers."""
+        buffer: memoryview | None = getattr(self.local, "buffer", None)
+        if buffer is None:
+            buffer = self.local.buffer = memoryview(bytearray(CHUNK_BYTES))
+        return buffer
 
     def _pause(self, delay: float) -> None:
         """Wait before a retry: never past the deadline, and no longer once the download is cancelled."""
@@ -341,7 +408,9 @@ class _Transfer:
             raise _Cancelled("cancelled while waiting to retry")
 
 
-def _retrying(call: Callable[[], T], options: DownloadOptions, pause: Sleep, rand: Random) -> T:
+def with_retries(call: Callable[[], T], options: DownloadOptions, pause: Sleep, rand: Random) -> T:
+    """``call()``, repeated after ``pause(backoff)`` while it raises TransientSourceError, at most
+    ``options.retries`` more times; ``pause`` may raise TransientSourceError to stop (a deadline)."""
     attempts = options.retries + 1
     for attempt in range(attempts):
         try:
@@ -362,70 +431,3 @@ def _write_error(target: Path, exc: OSError) -> TritonshareError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return InsufficientSpace(f"writing {target}: the staging filesystem is full — free space on the node")
     return TritonshareError(f"writing {target} failed: {exc}")
-
-
-def verify(obj: RemoteObject, path: Path, *, checksum: bool = True) -> None:
-    """Size, then checksum when the store gave one. A mismatch is transient: the next attempt may get it
-    right (a cut transfer, an object replaced mid-download)."""
-    size = path.stat().st_size
-    if obj.size >= 0 and size != obj.size:
-        raise TransientSourceError(f"{obj.key}: got {size} bytes, the store lists {obj.size}")
-    if checksum and obj.checksum is not None:
-        actual = file_digest(path, obj.checksum.algorithm)
-        if actual != obj.checksum.value:
-            raise TransientSourceError(
-                f"{obj.key}: {obj.checksum.algorithm} checksum mismatch "
-                f"(store {obj.checksum.value}, downloaded {actual}) — the data was corrupted in transit"
-            )
-
-
-def _crc32c(path: Path) -> str:
-    import google_crc32c  # C-accelerated; a dependency of google-cloud-storage
-
-    value = 0
-    for chunk in _chunks(path):
-        value = google_crc32c.extend(value, chunk)
-    return b64encode(int(value).to_bytes(4, "big")).decode()
-
-
-def _crc32(path: Path) -> str:
-    value = 0
-    for chunk in _chunks(path):
-        value = zlib.crc32(chunk, value)
-    return b64encode(value.to_bytes(4, "big")).decode()
-
-
-def _hexdigest(name: str) -> Callable[[Path], str]:
-    def digest(path: Path) -> str:
-        h = hashlib.new(name)
-        for chunk in _chunks(path):
-            h.update(chunk)
-        return h.hexdigest()
-
-    return digest
-
-
-# algorithm → digest of a file, in the encoding Checksum.value uses
-DIGESTS: dict[str, Callable[[Path], str]] = {
-    "md5": _hexdigest("md5"),
-    "sha256": _hexdigest("sha256"),
-    "crc32c": _crc32c,
-    "crc32": _crc32,
-}
-
-
-def file_digest(path: Path, algorithm: str) -> str:
-    digest = DIGESTS.get(algorithm)
-    if digest is None:
-        raise TritonshareError(f"checksum algorithm {algorithm!r} is not one of {sorted(DIGESTS)}")
-    return digest(path)
-
-
-def checksum_of(path: Path, algorithm: str) -> Checksum:
-    return Checksum(algorithm=algorithm, value=file_digest(path, algorithm))
-
-
-def _chunks(path: Path) -> Iterable[bytes]:
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK_BYTES):
-            yield chunk

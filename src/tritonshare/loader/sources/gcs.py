@@ -1,21 +1,31 @@
-"""``gs://bucket/prefix``: Google Cloud Storage through google-cloud-storage.
+"""``gs://bucket/prefix``: Google Cloud Storage through its JSON API, over plain HTTP/1.1.
+
+Two calls are all the loader needs — list the objects (``GET /storage/v1/b/B/o?prefix=P``) and read one
+(``GET /download/storage/v1/b/B/o/NAME?alt=media``, with a Range for the parts of a big object) — so they
+are made here on :mod:`~tritonshare.loader.sources.transport`, as the engine's 1 MiB reads, rather than
+through google-cloud-storage, which reads in 8 KiB chunks one object at a time and costs ~0.3 s of CPU to
+import.
 
 Credentials come from Application Default Credentials (``GOOGLE_APPLICATION_CREDENTIALS``, Workload
-Identity, the metadata server); when there are none the client is anonymous, which is enough for public
-buckets. ``STORAGE_EMULATOR_HOST`` points the client at an emulator (the library reads it).
+Identity, the metadata server) through google-auth, imported only for real GCS; when there are none the
+requests are anonymous, which is enough for public buckets. ``STORAGE_EMULATOR_HOST`` points the source at
+an emulator (no credentials, as google-cloud-storage does).
 
 Listing follows the S3 rule: ``gs://b/model`` is the folder ``model/``, else the exact object ``model``.
 Each object is pinned to the generation listed, so a replaced object cannot mix into a download, and
-verified with the CRC32C GCS keeps for every object (composite objects have no MD5). The library's own
-retries are off: the download engine retries with its backoff and deadline.
+verified with the CRC32C GCS keeps for every object (composite objects have no MD5). Bytes are asked for as
+stored (``Accept-Encoding: gzip``: no decompressive transcoding), which is what size and CRC32C describe.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 from tritonshare.common.errors import (
     SourceAccessDenied,
@@ -27,10 +37,15 @@ from tritonshare.common.errors import (
     clip,
 )
 from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, register
-from tritonshare.loader.sources.stream import CountingWriter
+from tritonshare.loader.sources.stream import Body, Part, fetch_stream
+from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, Transport, failure_kind
 
 LIST_TIMEOUT_S = 60.0
-CONNECT_TIMEOUT_S = 10.0
+MAX_LISTING_BYTES = 64 << 20
+MAX_ERROR_BYTES = 64 << 10
+PUBLIC_ENDPOINT = "https://storage.googleapis.com"
+READ_ONLY_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
+LIST_FIELDS = "items(name,size,crc32c,generation),nextPageToken"
 DENIED_HINT = "check the pod's credentials (GOOGLE_APPLICATION_CREDENTIALS or Workload Identity)"
 Listing = list[RemoteObject]  # an alias: inside the class, `list` is the method
 
@@ -42,13 +57,70 @@ def parse(uri: str) -> tuple[str, str]:
     return parts.netloc, parts.path.lstrip("/")
 
 
+def endpoint_of(environ: Mapping[str, str]) -> tuple[str, bool]:
+    """(base URL, emulated): ``STORAGE_EMULATOR_HOST`` (``http://host:port`` or ``host:port``), else GCS."""
+    emulator = environ.get("STORAGE_EMULATOR_HOST", "").strip().rstrip("/")
+    if not emulator:
+        return PUBLIC_ENDPOINT, False
+    return (emulator if "://" in emulator else f"http://{emulator}"), True
+
+
+class GoogleAuth:
+    """The ``Authorization`` header for GCS requests: Application Default Credentials, refreshed as they
+    expire; none (anonymous) when there are none. Thread-safe."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._credentials: Any = None
+        self._request: Any = None
+        self._resolved = False
+        self._lock = threading.Lock()
+
+    def headers(self) -> dict[str, str]:
+        with self._lock:
+            if not self._resolved:
+                self._credentials, self._request = _default_credentials(self._what)
+                self._resolved = True
+            if self._credentials is None:
+                return {}
+            headers: dict[str, str] = {}
+            try:
+                self._credentials.before_request(self._request, "GET", PUBLIC_ENDPOINT, headers)
+            except _auth_errors() as exc:
+                raise translate(exc, self._what) from exc
+            return headers
+
+
+def _default_credentials(what: str) -> tuple[Any, Any]:
+    import google.auth
+    import google.auth.transport.requests
+    from google.auth.exceptions import DefaultCredentialsError
+
+    try:
+        credentials, _ = google.auth.default(scopes=[READ_ONLY_SCOPE])
+    except DefaultCredentialsError:
+        return None, None  # public buckets need no credentials
+    except _auth_errors() as exc:
+        raise translate(exc, what) from exc
+    return credentials, google.auth.transport.requests.Request()
+
+
+def _auth_errors() -> tuple[type[Exception], ...]:
+    from google.auth.exceptions import GoogleAuthError
+
+    return (GoogleAuthError,)
+
+
 @register("gs")
 class GcsSource:
-    def __init__(self, uri: str) -> None:
+    def __init__(
+        self, uri: str, *, environ: Mapping[str, str] = os.environ, transport: Transport | None = None
+    ) -> None:
         self.uri = uri
         self.bucket, self.key = parse(uri)
-        self._client: Any = None
-        self._lock = threading.Lock()
+        self.endpoint, emulated = endpoint_of(environ)
+        self._auth = None if emulated else GoogleAuth(uri)
+        self._transport = transport or Transport()
 
     def list(self) -> Listing:
         folder = self.key.rstrip("/") + "/" if self.key else ""
@@ -61,100 +133,157 @@ class GcsSource:
             f"{self.uri}: no objects under gs://{self.bucket}/{folder} — check the bucket and the prefix"
         )
 
+    def open(self, obj: RemoteObject, stall_timeout_s: float, part: Part | None = None) -> Body:
+        what = f"gs://{self.bucket}/{obj.key}"
+        query = {"alt": "media"} | ({"generation": obj.version} if obj.version.isdigit() else {})
+        headers = {"Accept-Encoding": "gzip"} | ({"Range": part.header} if part else {})
+        if part:
+            what += f" (bytes {part.offset}-{part.offset + part.length - 1})"
+        path = f"/download/storage/v1/b/{quote(self.bucket, safe='')}/o/{quote(obj.key, safe='')}"
+        response = self._get(path, query, headers, stall_timeout_s, what)
+        if part and not (response.header("Content-Range") or "").startswith(f"bytes {part.offset}-"):
+            response.close()
+            raise TransientSourceError(f"{what}: the store ignored the Range header")
+        return GcsBody(response, what)
+
+    def ranged(self, obj: RemoteObject) -> bool:
+        return True
+
     def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
-        client = self._storage()
-        generation = int(obj.version) if obj.version.isdigit() else None
-        blob = client.bucket(self.bucket).blob(obj.key, generation=generation)
-        try:
-            with CountingWriter(dest, progress) as writer:
-                blob.download_to_file(
-                    writer,
-                    client=client,
-                    raw_download=True,  # the bytes as stored: what size and crc32c describe
-                    checksum=None,  # verified by the engine against the listed crc32c
-                    timeout=(CONNECT_TIMEOUT_S, stall_timeout_s),
-                    retry=None,
-                )
-        except _sdk_errors() as exc:
-            raise translate(exc, f"gs://{self.bucket}/{obj.key}") from exc
+        fetch_stream(self, obj, dest, progress, stall_timeout_s)
 
     def close(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+        self._transport.close()
 
     def _list_folder(self, folder: str) -> Listing:
-        try:
-            blobs = self._storage().list_blobs(self.bucket, prefix=folder, timeout=LIST_TIMEOUT_S, retry=None)
-            return [_remote(blob, blob.name[len(folder) :]) for blob in blobs if not blob.name.endswith("/")]
-        except _sdk_errors() as exc:
-            raise translate(exc, f"gs://{self.bucket}/{folder}") from exc
+        what = f"gs://{self.bucket}/{folder}"
+        path = f"/storage/v1/b/{quote(self.bucket, safe='')}/o"
+        objects: Listing = []
+        token = ""
+        while True:
+            query = {"prefix": folder, "fields": LIST_FIELDS} | ({"pageToken": token} if token else {})
+            page = self._json(path, query, what)
+            items = page.get("items", [])
+            objects += [_remote(item, item["name"][len(folder) :]) for item in items]
+            token = str(page.get("nextPageToken") or "")
+            if not token:
+                return [obj for obj in objects if not obj.key.endswith("/")]
 
     def _exact(self, key: str) -> RemoteObject:
+        path = f"/storage/v1/b/{quote(self.bucket, safe='')}/o/{quote(key, safe='')}"
         try:
-            blob = self._storage().bucket(self.bucket).get_blob(key, timeout=LIST_TIMEOUT_S, retry=None)
-        except _sdk_errors() as exc:
-            raise translate(exc, self.uri) from exc
-        if blob is None:
+            item = self._json(path, {}, self.uri)
+        except SourceNotFound as exc:
             raise SourceNotFound(
                 f"{self.uri}: no such object and no objects under {self.uri}/ — check the bucket and the name"
-            )
-        return _remote(blob, key.rsplit("/", 1)[-1])
+            ) from exc
+        return _remote(item, key.rsplit("/", 1)[-1])
 
-    def _storage(self) -> Any:
-        with self._lock:
-            if self._client is None:
-                self._client = _new_client(self.uri)
-            return self._client
+    def _json(self, path: str, query: Mapping[str, str], what: str) -> dict[str, Any]:
+        with self._get(path, query, {}, LIST_TIMEOUT_S, what) as response:
+            try:
+                body = response.read(MAX_LISTING_BYTES)
+            except NETWORK_ERRORS as exc:
+                raise network_error(exc, what) from exc
+        try:
+            parsed = json.loads(body)
+        except ValueError as exc:
+            raise SourceError(f"{what}: the store's answer is not JSON: {clip(body.decode(errors='replace'))}") from exc
+        if not isinstance(parsed, dict):
+            raise SourceError(f"{what}: the store's answer is not a JSON object: {clip(str(parsed))}")
+        return parsed
+
+    def _get(
+        self, path: str, query: Mapping[str, str], headers: Mapping[str, str], read_timeout_s: float, what: str
+    ) -> Response:
+        url = f"{self.endpoint}{path}?{urlencode(query)}" if query else f"{self.endpoint}{path}"
+        auth = self._auth.headers() if self._auth is not None else {}
+        try:
+            response = self._transport.request("GET", url, {**headers, **auth}, read_timeout_s=read_timeout_s)
+        except NETWORK_ERRORS as exc:
+            raise network_error(exc, what) from exc
+        if response.status >= 300:
+            raise status_error(response, what)
+        return response
 
 
-def _new_client(uri: str) -> Any:
-    from google.auth.exceptions import DefaultCredentialsError
-    from google.cloud import storage
+class GcsBody:
+    """A media download's bytes, with transport errors translated."""
 
-    try:
-        return storage.Client()
-    except DefaultCredentialsError:
-        return storage.Client.create_anonymous_client()  # public buckets need no credentials
-    except _sdk_errors() as exc:
-        raise translate(exc, uri) from exc
+    checksum: Checksum | None = None  # the listed CRC32C is what the engine checks
+
+    def __init__(self, response: Response, what: str) -> None:
+        self._response = response
+        self._what = what
+
+    def readinto(self, buffer: memoryview, /) -> int:
+        try:
+            return self._response.readinto(buffer)
+        except NETWORK_ERRORS as exc:
+            raise network_error(exc, self._what) from exc
+
+    def close(self) -> None:
+        self._response.close()
 
 
-def _remote(blob: Any, relpath: str) -> RemoteObject:
+def _remote(item: Mapping[str, Any], relpath: str) -> RemoteObject:
+    crc32c = str(item.get("crc32c") or "")
     return RemoteObject(
-        key=blob.name,
+        key=str(item["name"]),
         relpath=relpath,
-        size=int(blob.size),
-        checksum=Checksum(algorithm="crc32c", value=blob.crc32c) if blob.crc32c else None,
-        version=str(blob.generation or ""),
+        size=int(item.get("size", -1)),
+        checksum=Checksum(algorithm="crc32c", value=crc32c) if crc32c else None,
+        version=str(item.get("generation") or ""),
     )
 
 
-def _sdk_errors() -> tuple[type[Exception], ...]:
-    from google.api_core.exceptions import GoogleAPIError
-    from google.auth.exceptions import GoogleAuthError
-    from requests import RequestException
+def network_error(exc: BaseException, what: str) -> TritonshareError:
+    kind = failure_kind(exc)
+    if kind == "timeout":
+        return TransientSourceError(f"{what}: the store did not answer in time ({exc})")
+    if kind == "tls":
+        return SourceError(f"{what}: TLS certificate verification failed ({exc}) — check the node's CA certificates")
+    return TransientSourceError(
+        f"{what}: connection failed ({exc or type(exc).__name__}) — check the network to the store"
+    )
 
-    return (GoogleAPIError, GoogleAuthError, RequestException)
+
+def status_error(response: Response, what: str) -> TritonshareError:
+    """A GCS error answer → the error tree (reads and closes the response)."""
+    try:
+        body = response.read(MAX_ERROR_BYTES)
+    except NETWORK_ERRORS:
+        body = b""
+    finally:
+        response.close()
+    status = response.status
+    detail = f"HTTP {status} {response.reason}" + (f": {clip(_message(body))}" if body.strip() else "")
+    if status == 404:
+        return SourceNotFound(f"{what}: not found ({detail}) — check the bucket and the name")
+    if status in (401, 403):
+        return SourceAccessDenied(f"{what}: access denied ({detail}) — {DENIED_HINT}")
+    if status >= 500 or status in (408, 412, 429):
+        return TransientSourceError(f"{what}: the store failed ({detail})")
+    return SourceError(f"{what}: the store refused the request ({detail})")
+
+
+def _message(body: bytes) -> str:
+    """The ``error.message`` of a JSON API error, else the body as text."""
+    text = body.decode(errors="replace")
+    try:
+        error = json.loads(text).get("error", {})
+    except (ValueError, AttributeError):
+        return text
+    return str(error.get("message") or text) if isinstance(error, dict) else text
 
 
 def translate(exc: Exception, what: str) -> TritonshareError:
-    """google-api-core, google-auth and requests exceptions → the error tree."""
-    from google.api_core import exceptions as api
+    """google-auth's exceptions → the error tree."""
     from google.auth import exceptions as auth
 
     detail = clip(str(exc))
-    if isinstance(exc, api.NotFound):
-        return SourceNotFound(f"{what}: not found ({detail}) — check the bucket and the name")
-    if isinstance(exc, api.Forbidden | api.Unauthorized | auth.RefreshError | auth.DefaultCredentialsError):
+    if getattr(exc, "retryable", False) or isinstance(exc, auth.TransportError):
+        return TransientSourceError(f"{what}: fetching a token failed ({detail})")
+    if isinstance(exc, auth.RefreshError | auth.DefaultCredentialsError):
         return SourceAccessDenied(f"{what}: access denied ({detail}) — {DENIED_HINT}")
-    if isinstance(exc, api.TooManyRequests | api.ServerError | api.RetryError):
-        return TransientSourceError(f"{what}: the store failed ({detail})")
-    if isinstance(exc, api.PreconditionFailed | auth.TransportError):
-        return TransientSourceError(f"{what}: {detail}")
-    if isinstance(exc, api.GoogleAPIError | auth.GoogleAuthError):
-        return SourceError(f"{what}: the store refused the request ({detail})")
-    if "timed out" in detail.lower():  # requests wraps a read timeout mid-body in a ConnectionError
-        return TransientSourceError(f"{what}: the store did not answer in time ({detail})")
-    return TransientSourceError(f"{what}: connection failed ({detail}) — check the network to the store")
+    return SourceError(f"{what}: {detail}")

@@ -1,23 +1,22 @@
 """``http(s)://host/path/model.tar.gz``: one file, usually an archive, from any web server.
 
-The standard library's client is enough for one streamed file and honours ``HTTPS_PROXY``/``NO_PROXY``.
-``list`` asks with HEAD (falling back to a GET whose body is not read, for servers and pre-signed URLs
-that refuse HEAD) for the size, a version (ETag, else Last-Modified) and a checksum when the server states
-one: ``Repr-Digest``/``Digest`` (RFC 9530/3230), ``Content-MD5``, or ``x-goog-hash``. The file is named
-by the URL's last path segment, so ``…/model.tar.gz?X-Amz-Signature=…`` lands as ``model.tar.gz``.
+Requests go over :mod:`~tritonshare.loader.sources.transport` (kept-alive connections, 1 MiB reads,
+``HTTPS_PROXY``/``NO_PROXY``), following up to ``MAX_REDIRECTS`` redirects. ``list`` asks with HEAD (falling
+back to a GET whose body is not read, for servers and pre-signed URLs that refuse HEAD) for the size, a
+version (ETag, else Last-Modified), whether the server serves byte ranges (then a big file comes in
+parallel parts) and a checksum when the server states one: ``Repr-Digest``/``Digest`` (RFC 9530/3230),
+``Content-MD5``, or ``x-goog-hash``. The file is named by the URL's last path segment, so
+``…/model.tar.gz?X-Amz-Signature=…`` lands as ``model.tar.gz``.
 """
 
 from __future__ import annotations
 
-import http.client
 import re
-import ssl
-import urllib.error
-import urllib.request
 from base64 import b64decode
 from email.message import Message
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from typing import Literal
+from urllib.parse import unquote, urljoin, urlsplit
 
 from tritonshare import __version__
 from tritonshare.common.errors import (
@@ -26,16 +25,25 @@ from tritonshare.common.errors import (
     SourceNotFound,
     TransientSourceError,
     TritonshareError,
+    UsageError,
     clip,
 )
 from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, register
-from tritonshare.loader.sources.stream import copy_to_file
+from tritonshare.loader.sources.stream import Body, Part, fetch_stream
+from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, Transport, failure_kind
 
 LIST_TIMEOUT_S = 60.0
+MAX_REDIRECTS = 10
+MAX_ERROR_BYTES = 300
 FALLBACK_NAME = "download"  # for a URL whose path has no file name ("https://host/")
 HEADERS = {"User-Agent": f"tritonshare/{__version__}", "Accept-Encoding": "identity"}
 _HEAD_REFUSED = frozenset({403, 405, 501})  # answered by servers (and signed URLs) that only allow GET
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
+_REQUEST_ERRORS: tuple[type[BaseException], ...] = (
+    *NETWORK_ERRORS,
+    ValueError,
+)  # ValueError: a redirect to something not http(s)
 _DIGEST_ITEM = re.compile(r"\s*([A-Za-z0-9-]+)\s*=\s*:?([A-Za-z0-9+/=]+):?\s*")
 
 
@@ -46,13 +54,18 @@ def file_name(uri: str) -> str:
 
 @register("http", "https")
 class HttpSource:
-    def __init__(self, uri: str) -> None:
+    def __init__(self, uri: str, *, transport: Transport | None = None) -> None:
+        if not urlsplit(uri).hostname:
+            raise UsageError(f"source {uri!r}: no host — use http(s)://HOST/PATH")
         self.uri = uri
         self.name = file_name(uri)
+        self._transport = transport or Transport()
+        self._ranges = False  # the server said Accept-Ranges: bytes
 
     def list(self) -> list[RemoteObject]:
         headers = self._headers()
         length = headers.get("Content-Length")
+        self._ranges = (headers.get("Accept-Ranges") or "").strip().lower() == "bytes"
         return [
             RemoteObject(
                 key=self.uri,
@@ -63,71 +76,107 @@ class HttpSource:
             )
         ]
 
+    def open(self, obj: RemoteObject, stall_timeout_s: float, part: Part | None = None) -> Body:
+        headers = {**HEADERS, "Range": part.header} if part else HEADERS
+        what = f"{obj.key} (bytes {part.offset}-{part.offset + part.length - 1})" if part else obj.key
+        response = self._request("GET", obj.key, headers, stall_timeout_s, what)
+        served = response.header("Content-Range") or ""
+        if part and (response.status != 206 or not served.startswith(f"bytes {part.offset}-")):
+            response.close()
+            raise TransientSourceError(f"{what}: the server ignored the Range header")
+        return HttpBody(response, what)
+
+    def ranged(self, obj: RemoteObject) -> bool:
+        return self._ranges and obj.size > 0
+
     def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
-        with _open(obj.key, "GET", stall_timeout_s) as response:
-
-            def read_into(buffer: memoryview) -> int:
-                try:
-                    return response.readinto(buffer)
-                except (OSError, http.client.HTTPException) as exc:
-                    raise translate(exc, obj.key) from exc
-
-            copy_to_file(read_into, dest, progress)
+        fetch_stream(self, obj, dest, progress, stall_timeout_s)
 
     def close(self) -> None:
-        pass
+        self._transport.close()
 
     def _headers(self) -> Message:
-        request = urllib.request.Request(self.uri, method="HEAD", headers=HEADERS)
+        response = self._follow("HEAD", self.uri, HEADERS, LIST_TIMEOUT_S, self.uri)
+        if response.status in _HEAD_REFUSED:
+            response.close()
+            response = self._follow("GET", self.uri, HEADERS, LIST_TIMEOUT_S, self.uri)
+        if response.status >= 300:
+            raise status_error(response, self.uri)
+        response.close()  # a GET's body is not read: only the headers count
+        return response.headers
+
+    def _request(
+        self, method: Literal["GET", "HEAD"], url: str, headers: dict[str, str], read_timeout_s: float, what: str
+    ) -> Response:
+        """A request, following redirects; any final answer but 2xx raises."""
+        response = self._follow(method, url, headers, read_timeout_s, what)
+        if response.status >= 300:
+            raise status_error(response, what)
+        return response
+
+    def _follow(
+        self, method: Literal["GET", "HEAD"], url: str, headers: dict[str, str], read_timeout_s: float, what: str
+    ) -> Response:
+        for _ in range(MAX_REDIRECTS + 1):
+            try:
+                response = self._transport.request(method, url, headers, read_timeout_s=read_timeout_s)
+            except _REQUEST_ERRORS as exc:
+                raise network_error(exc, what) from exc
+            location = response.header("Location")
+            if response.status not in _REDIRECTS or not location:
+                return response
+            response.close()
+            url = urljoin(url, location)
+        raise SourceError(f"{what}: more than {MAX_REDIRECTS} redirects — check the URL")
+
+
+class HttpBody:
+    """A response body, with transport errors translated."""
+
+    checksum: Checksum | None = None  # what the HEAD stated is in the listing
+
+    def __init__(self, response: Response, what: str) -> None:
+        self._response = response
+        self._what = what
+
+    def readinto(self, buffer: memoryview, /) -> int:
         try:
-            with urllib.request.urlopen(request, timeout=LIST_TIMEOUT_S) as response:
-                headers: Message = response.headers
-                return headers
-        except urllib.error.HTTPError as exc:
-            if exc.code not in _HEAD_REFUSED:
-                raise translate(exc, self.uri) from exc
-            exc.close()
-        except (OSError, http.client.HTTPException) as exc:
-            raise translate(exc, self.uri) from exc
-        with _open(self.uri, "GET", LIST_TIMEOUT_S) as response:  # closed unread: only the headers count
-            return response.headers
+            return self._response.readinto(buffer)
+        except NETWORK_ERRORS as exc:
+            raise network_error(exc, self._what) from exc
+
+    def close(self) -> None:
+        self._response.close()
 
 
-def _open(url: str, method: str, timeout_s: float) -> http.client.HTTPResponse:
-    request = urllib.request.Request(url, method=method, headers=HEADERS)
+def network_error(exc: BaseException, url: str) -> TritonshareError:
+    kind = failure_kind(exc)
+    if kind == "tls":
+        return SourceError(f"{url}: TLS certificate verification failed ({exc}) — fix the server's certificate")
+    if kind == "timeout":
+        return TransientSourceError(f"{url}: the server did not answer in time ({exc})")
+    if isinstance(exc, ValueError):  # a redirect to something that is not an http(s) URL
+        return SourceError(f"{url}: {exc} — check the URL")
+    return TransientSourceError(f"{url}: connection failed ({exc or type(exc).__name__}) — check the URL")
+
+
+def status_error(response: Response, url: str) -> TritonshareError:
+    """An error answer → the error tree (reads a little of the body, closes the response)."""
     try:
-        response: http.client.HTTPResponse = urllib.request.urlopen(request, timeout=timeout_s)
-    except (OSError, http.client.HTTPException) as exc:
-        raise translate(exc, url) from exc
-    return response
-
-
-def translate(exc: OSError | http.client.HTTPException, url: str) -> TritonshareError:
-    if isinstance(exc, urllib.error.HTTPError):
-        return _status_error(exc, url)
-    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-    if isinstance(reason, ssl.SSLCertVerificationError):
-        return SourceError(f"{url}: TLS certificate verification failed ({reason}) — fix the server's certificate")
-    if isinstance(reason, TimeoutError):
-        return TransientSourceError(f"{url}: the server did not answer in time ({reason})")
-    return TransientSourceError(f"{url}: connection failed ({reason or type(reason).__name__}) — check the URL")
-
-
-def _status_error(exc: urllib.error.HTTPError, url: str) -> TritonshareError:
-    try:
-        body = exc.read(300).decode("utf-8", "replace")
-    except (OSError, http.client.HTTPException):
+        body = response.read(MAX_ERROR_BYTES).decode("utf-8", "replace")
+    except NETWORK_ERRORS:
         body = ""
     finally:
-        exc.close()
-    detail = f"HTTP {exc.code} {exc.reason}" + (f": {clip(body)}" if body.strip() else "")
-    if exc.code in (404, 410):
+        response.close()
+    status = response.status
+    detail = f"HTTP {status} {response.reason}" + (f": {clip(body)}" if body.strip() else "")
+    if status in (404, 410):
         return SourceNotFound(f"{url}: not found ({detail}) — check the URL")
-    if exc.code in (401, 403):
+    if status in (401, 403):
         return SourceAccessDenied(
             f"{url}: access denied ({detail}) — check the URL's credentials or signature (an expired pre-signed URL?)"
         )
-    if exc.code in (408, 429) or exc.code >= 500:
+    if status in (408, 429) or status >= 500:
         return TransientSourceError(f"{url}: the server failed ({detail})")
     return SourceError(f"{url}: the server refused the request ({detail})")
 

@@ -1,26 +1,38 @@
-"""``s3://bucket/prefix``: Amazon S3 and S3-compatible stores through boto3.
+"""``s3://bucket/prefix``: Amazon S3 and S3-compatible stores (MinIO, Ceph, rclone...), over plain HTTP/1.1.
 
-Credentials and endpoint come from boto3's standard chain: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
-IRSA (``AWS_ROLE_ARN`` + ``AWS_WEB_IDENTITY_TOKEN_FILE``), instance profiles, and ``AWS_ENDPOINT_URL`` for
-MinIO, Ceph or any S3-compatible server.
+The REST calls the loader needs — ListObjectsV2, HeadObject, GetObject with a Range — are three signed
+GETs/HEADs, made here on :mod:`~tritonshare.loader.sources.transport` with
+:mod:`~tritonshare.loader.sources.s3_auth`'s SigV4: no SDK on the path of the bytes, so a 256 KiB object
+costs what its bytes cost (boto3 added ~2.5 ms of CPU per object and ~0.3 s of start-up).
+
+Configuration is AWS's standard one: credentials from the environment, IRSA, profiles or instance metadata
+(:class:`~tritonshare.loader.sources.s3_auth.CredentialChain`); ``AWS_ENDPOINT_URL_S3`` or
+``AWS_ENDPOINT_URL`` for an S3-compatible server, addressed path-style (``http://host/bucket/key``, what
+every such server accepts); else AWS itself, virtual-hosted (``https://bucket.s3.REGION.amazonaws.com``);
+the region from ``AWS_REGION``/``AWS_DEFAULT_REGION`` or the profile, and a bucket in another region is
+followed once when S3 names it (``x-amz-bucket-region``); ``AWS_CA_BUNDLE`` for a private CA.
 
 Listing: ``s3://b/model`` is the folder ``model/`` (never ``model2/``, kserve#3776); only when nothing is
 under it and the URI does not end with ``/`` is ``model`` taken as one object's exact key.
 
-One client per source is shared by every download thread (boto3 clients are thread-safe; creating one
-costs ~50 ms) with a connection pool as large as the engine's concurrency. botocore's own retries are
-off: the download engine retries with its own backoff and deadline, and a stalled read must cost one
-``stall_timeout_s``, not five. Verification: the listed ETag is the object's MD5 for single-part uploads;
-for objects stored with a flexible checksum (CRC32, CRC32C, SHA256...), botocore checks it while streaming.
+Verification: every GET is pinned to the listed ETag (``If-Match``: an object replaced since listing
+answers 412, retried); the ETag is the object's MD5 for single-part uploads; a whole-object GET asks for
+the object's flexible checksum (``x-amz-checksum-mode``) and S3 returns its CRC32/CRC32C/SHA when the
+object has one, which the engine then prefers: far cheaper to compute than MD5.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import threading
+import xml.etree.ElementTree as ElementTree
+from base64 import b64decode
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
+from typing import Literal
+from urllib.parse import quote, urlsplit
 
 from tritonshare.common.errors import (
     SourceAccessDenied,
@@ -32,18 +44,21 @@ from tritonshare.common.errors import (
     clip,
 )
 from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, register
-from tritonshare.loader.sources.stream import copy_to_file, copy_to_range
+from tritonshare.loader.sources.s3_auth import DEFAULT_REGION, DENIED_HINT, CredentialChain, Signer
+from tritonshare.loader.sources.stream import Body, Part, fetch_stream
+from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, Transport, failure_kind
 
 LIST_READ_TIMEOUT_S = 60.0
-CONNECT_TIMEOUT_S = 10.0
-MAX_POOL_CONNECTIONS = 64  # ≥ the engine's concurrency, so no thread waits for a connection
+MAX_LISTING_BYTES = 64 << 20  # one page of 1,000 keys is well under 1 MiB
+MAX_ERROR_BYTES = 64 << 10
 
-_MD5_ETAG = re.compile(r'"?([0-9a-f]{32})"?')  # a multipart ETag ends in "-<parts>": not an MD5
-_NOT_FOUND = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound", "404"})
+_MD5_ETAG = re.compile(r'"?([0-9a-fA-F]{32})"?')  # a multipart ETag ends in "-<parts>": not an MD5
+_DNS_BUCKET = re.compile(r"[a-z0-9][a-z0-9-]{1,61}[a-z0-9]")  # fits in a TLS wildcard name: no dots
+_NOT_FOUND = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound"})
 _DENIED = frozenset(
     {
         "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-        "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem", "InvalidClientTokenId", "401", "403",
+        "TokenRefreshRequired", "AllAccessDisabled", "AccountProblem", "InvalidClientTokenId",
     }
 )  # fmt: skip
 _TRANSIENT = frozenset(
@@ -52,8 +67,14 @@ _TRANSIENT = frozenset(
         "InternalError", "ServiceUnavailable", "PreconditionFailed",
     }
 )  # fmt: skip
+# response header → algorithm, for the flexible checksums the engine can compute (not CRC64NVME)
+_FLEXIBLE = {
+    "x-amz-checksum-crc32c": "crc32c",
+    "x-amz-checksum-crc32": "crc32",
+    "x-amz-checksum-sha1": "sha1",
+    "x-amz-checksum-sha256": "sha256",
+}
 Listing = list[RemoteObject]  # an alias: inside the class, `list` is the method
-DENIED_HINT = "check the pod's credentials (AWS_* or IRSA)"
 
 
 def parse(uri: str) -> tuple[str, str]:
@@ -65,16 +86,53 @@ def parse(uri: str) -> tuple[str, str]:
     return parts.netloc, key
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a bucket's objects are reached, and the region requests are signed for."""
+
+    base: str  # scheme://host[:port][/path], without the bucket
+    region: str
+    virtual: bool  # the bucket is part of the host name (AWS), else the first path segment
+
+    def locate(self, bucket: str, key: str) -> tuple[str, str, str]:
+        """(URL without query, Host header, URI-encoded path as sent and signed) of ``key`` in ``bucket``."""
+        parts = urlsplit(self.base)
+        host = f"{bucket}.{parts.netloc}" if self.virtual else parts.netloc
+        prefix = parts.path.rstrip("/") + ("" if self.virtual else f"/{quote(bucket, safe='')}")
+        path = f"{prefix}/{quote(key, safe='/~')}"
+        return f"{parts.scheme}://{host}{path}", host, path
+
+
+def endpoint_for(bucket: str, region: str, environ: Mapping[str, str]) -> Endpoint:
+    custom = environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL")
+    if custom:
+        parts = urlsplit(custom)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise UsageError(f"AWS_ENDPOINT_URL {custom!r} is not an http(s) URL — fix AWS_ENDPOINT_URL")
+        return Endpoint(base=custom.rstrip("/"), region=region, virtual=False)
+    domain = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
+    return Endpoint(base=f"https://s3.{region}.{domain}", region=region, virtual=bool(_DNS_BUCKET.fullmatch(bucket)))
+
+
+def canonical_query(query: Mapping[str, str]) -> str:
+    return "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted(query.items()))
+
+
 @register("s3")
 class S3Source:
-    def __init__(self, uri: str) -> None:
+    def __init__(
+        self, uri: str, *, environ: Mapping[str, str] = os.environ, transport: Transport | None = None
+    ) -> None:
         self.uri = uri
         self.bucket, self.key = parse(uri)
-        self._clients: dict[float, Any] = {}  # by read timeout: listing, then fetching if it differs
-        self._session: Any = None
+        self._environ = environ
+        self._credentials = CredentialChain(environ, uri)
+        self._transport = transport or Transport(ca_file=environ.get("AWS_CA_BUNDLE") or None)
+        self._signer: Signer | None = None
+        self._endpoint: Endpoint | None = None
         self._lock = threading.Lock()
 
-    def list(self) -> list[RemoteObject]:
+    def list(self) -> Listing:
         folder = self.key.rstrip("/") + "/" if self.key else ""
         objects = self._list_folder(folder)
         if objects:
@@ -85,109 +143,140 @@ class S3Source:
             f"{self.uri}: no objects under s3://{self.bucket}/{folder} — check the bucket and the prefix"
         )
 
-    def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
+    def open(self, obj: RemoteObject, stall_timeout_s: float, part: Part | None = None) -> Body:
         what = f"s3://{self.bucket}/{obj.key}"
-        client = self._client(stall_timeout_s)
-        condition = {"IfMatch": obj.version} if obj.version else {}  # replaced since listing: 412, retried
-        try:
-            body = client.get_object(Bucket=self.bucket, Key=obj.key, **condition)["Body"]
-        except _sdk_errors() as exc:
-            raise translate(exc, what) from exc
-        with body:
+        signed = {"range": part.header} if part else {"x-amz-checksum-mode": "ENABLED"}
+        pinned = {"if-match": obj.version} if obj.version else {}  # replaced since listing: 412, retried
+        if part:
+            what += f" (bytes {part.offset}-{part.offset + part.length - 1})"
+        response = self._request("GET", obj.key, {}, signed, pinned, stall_timeout_s, what)
+        if part and not (response.header("Content-Range") or "").startswith(f"bytes {part.offset}-"):
+            response.close()
+            raise TransientSourceError(f"{what}: the store ignored the Range header")
+        return S3Body(response, what, None if part else flexible_checksum(response))
 
-            def read_into(buffer: memoryview) -> int:
-                try:
-                    return int(body.readinto(buffer))
-                except _sdk_errors() as exc:
-                    raise translate(exc, what) from exc
+    def ranged(self, obj: RemoteObject) -> bool:
+        return True
 
-            copy_to_file(read_into, dest, progress)
-
-    def fetch_range(
-        self, obj: RemoteObject, dest: Path, offset: int, length: int, progress: Progress, stall_timeout_s: float
-    ) -> int:
-        """One part of a big object (the engine fetches parts in parallel: one S3 connection carries
-        ~100 MB/s at best). Returns the bytes written at ``offset``."""
-        what = f"s3://{self.bucket}/{obj.key} (bytes {offset}-{offset + length - 1})"
-        client = self._client(stall_timeout_s)
-        condition = {"IfMatch": obj.version} if obj.version else {}
-        try:
-            response = client.get_object(
-                Bucket=self.bucket, Key=obj.key, Range=f"bytes={offset}-{offset + length - 1}", **condition
-            )
-        except _sdk_errors() as exc:
-            raise translate(exc, what) from exc
-        with response["Body"] as body:
-            if not str(response.get("ContentRange", "")).startswith(f"bytes {offset}-"):
-                raise TransientSourceError(f"{what}: the store ignored the Range header")
-
-            def read_into(buffer: memoryview) -> int:
-                try:
-                    return int(body.readinto(buffer))
-                except _sdk_errors() as exc:
-                    raise translate(exc, what) from exc
-
-            return copy_to_range(read_into, dest, offset, length, progress)
+    def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
+        fetch_stream(self, obj, dest, progress, stall_timeout_s)
 
     def close(self) -> None:
-        with self._lock:
-            for client in self._clients.values():
-                client.close()
-            self._clients.clear()
+        self._transport.close()
 
     def _list_folder(self, folder: str) -> Listing:
-        paginator = self._client(LIST_READ_TIMEOUT_S).get_paginator("list_objects_v2")
-        try:
-            return [
-                _remote(item["Key"], item["Key"][len(folder) :], item["Size"], item.get("ETag", ""))
-                for page in paginator.paginate(Bucket=self.bucket, Prefix=folder)
-                for item in page.get("Contents", ())
-                if not item["Key"].endswith("/")  # "folder" marker objects made by consoles
-            ]
-        except _sdk_errors() as exc:
-            raise translate(exc, f"s3://{self.bucket}/{folder}") from exc
+        what = f"s3://{self.bucket}/{folder}"
+        objects: Listing = []
+        token = ""
+        while True:
+            query = {"list-type": "2", "prefix": folder} | ({"continuation-token": token} if token else {})
+            with self._request("GET", "", query, {}, {}, LIST_READ_TIMEOUT_S, what) as response:
+                page = _xml(_read(response, MAX_LISTING_BYTES, what), what)
+            objects += [_remote(key, key[len(folder) :], size, etag) for key, size, etag in _contents(page)]
+            token = _text(page, "NextContinuationToken")
+            if _text(page, "IsTruncated") != "true" or not token:
+                return [obj for obj in objects if not obj.key.endswith("/")]  # console "folder" markers
 
     def _head(self, key: str) -> RemoteObject:
         try:
-            head = self._client(LIST_READ_TIMEOUT_S).head_object(Bucket=self.bucket, Key=key)
-        except _sdk_errors() as exc:
-            error = translate(exc, self.uri)
-            if isinstance(error, SourceNotFound):
-                error = SourceNotFound(
-                    f"{self.uri}: no such object and no objects under {self.uri}/ — check the bucket and the key"
+            with self._request("HEAD", key, {}, {}, {}, LIST_READ_TIMEOUT_S, self.uri) as response:
+                size, etag = int(response.header("Content-Length") or 0), response.header("ETag") or ""
+        except SourceNotFound as exc:
+            raise SourceNotFound(
+                f"{self.uri}: no such object and no objects under {self.uri}/ — check the bucket and the key"
+            ) from exc
+        return _remote(key, key.rsplit("/", 1)[-1], size, etag)
+
+    def _request(
+        self,
+        method: Literal["GET", "HEAD"],
+        key: str,
+        query: Mapping[str, str],
+        signed: Mapping[str, str],
+        unsigned: Mapping[str, str],
+        read_timeout_s: float,
+        what: str,
+    ) -> Response:
+        """One signed request; a bucket in another region than configured is followed once."""
+        for attempt in (1, 2):
+            endpoint, signer = self._routing()
+            url, host, path = endpoint.locate(self.bucket, key)
+            query_string = canonical_query(query)
+            headers = signer.sign(method, path, query_string, {"host": host, **signed}, self._credentials.get())
+            try:
+                response = self._transport.request(
+                    method,
+                    f"{url}?{query_string}" if query_string else url,
+                    {**headers, **unsigned},
+                    read_timeout_s=read_timeout_s,
                 )
-            raise error from exc
-        return _remote(key, key.rsplit("/", 1)[-1], head["ContentLength"], head.get("ETag", ""))
+            except NETWORK_ERRORS as exc:
+                raise network_error(exc, what) from exc
+            if response.status < 300:
+                return response
+            region = response.header("x-amz-bucket-region") or ""
+            error = status_error(response, what)
+            if attempt == 1 and region and region != endpoint.region and response.status in (301, 307, 400):
+                self._move_to(region)
+                continue
+            raise error
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
-    def _client(self, read_timeout_s: float) -> Any:
+    def _routing(self) -> tuple[Endpoint, Signer]:
         with self._lock:
-            client = self._clients.get(read_timeout_s)
-            if client is None:
-                if self._session is None:
-                    import boto3
+            if self._endpoint is None or self._signer is None:
+                region = self._configured_region()
+                self._endpoint = endpoint_for(self.bucket, region, self._environ)
+                self._signer = Signer(region)
+            return self._endpoint, self._signer
 
-                    self._session = boto3.session.Session()
-                client = self._clients[read_timeout_s] = _new_client(self._session, read_timeout_s, self.uri)
-            return client
+    def _configured_region(self) -> str:
+        region = self._environ.get("AWS_REGION") or self._environ.get("AWS_DEFAULT_REGION")
+        if region:
+            return region
+        if not self._credentials.static:
+            return self._credentials.region() or DEFAULT_REGION
+        return DEFAULT_REGION
+
+    def _move_to(self, region: str) -> None:
+        with self._lock:
+            self._endpoint = endpoint_for(self.bucket, region, self._environ)
+            self._signer = Signer(region)
 
 
-def _new_client(session: Any, read_timeout_s: float, uri: str) -> Any:
-    from botocore.config import Config
+class S3Body:
+    """A GetObject response's bytes, with transport errors translated."""
 
-    config = Config(
-        connect_timeout=CONNECT_TIMEOUT_S,
-        read_timeout=read_timeout_s,
-        retries={"mode": "standard", "total_max_attempts": 1},
-        max_pool_connections=MAX_POOL_CONNECTIONS,
-        tcp_keepalive=True,
-        parameter_validation=False,  # our parameters are plain strings; saves ~10% CPU per small object
-    )
-    try:
-        return session.client("s3", config=config)
-    except ValueError as exc:  # an AWS_ENDPOINT_URL that is not a URL
-        raise UsageError(f"{uri}: {exc} — fix AWS_ENDPOINT_URL") from exc
-    except _sdk_errors() as exc:
-        raise translate(exc, uri) from exc
+    def __init__(self, response: Response, what: str, checksum: Checksum | None) -> None:
+        self._response = response
+        self._what = what
+        self.checksum = checksum
+
+    def readinto(self, buffer: memoryview, /) -> int:
+        try:
+            return self._response.readinto(buffer)
+        except NETWORK_ERRORS as exc:
+            raise network_error(exc, self._what) from exc
+
+    def close(self) -> None:
+        self._response.close()
+
+
+def flexible_checksum(response: Response) -> Checksum | None:
+    """The object's full-object CRC32/CRC32C/SHA checksum, when S3 returned one (multipart "composite"
+    checksums, ``…-N``, cover parts, not the object)."""
+    if (response.header("x-amz-checksum-type") or "FULL_OBJECT").upper() != "FULL_OBJECT":
+        return None
+    for header, algorithm in _FLEXIBLE.items():
+        value = (response.header(header) or "").strip()
+        if value and "-" not in value:
+            try:
+                return Checksum(
+                    algorithm=algorithm, value=value if algorithm.startswith("crc") else b64decode(value).hex()
+                )
+            except ValueError:
+                return None
+    return None
 
 
 def _remote(key: str, relpath: str, size: int, etag: str) -> RemoteObject:
@@ -196,43 +285,76 @@ def _remote(key: str, relpath: str, size: int, etag: str) -> RemoteObject:
         key=key,
         relpath=relpath,
         size=int(size),
-        checksum=Checksum(algorithm="md5", value=md5.group(1)) if md5 else None,
+        checksum=Checksum(algorithm="md5", value=md5.group(1).lower()) if md5 else None,
         version=etag,
     )
 
 
-def _sdk_errors() -> tuple[type[Exception], ...]:
-    from botocore.exceptions import BotoCoreError, ClientError
+def _read(response: Response, limit: int, what: str) -> bytes:
+    try:
+        return response.read(limit)
+    except NETWORK_ERRORS as exc:
+        raise network_error(exc, what) from exc
 
-    return (BotoCoreError, ClientError)
+
+def _xml(body: bytes, what: str) -> ElementTree.Element:
+    try:
+        return ElementTree.fromstring(body)
+    except ElementTree.ParseError as exc:
+        text = clip(body.decode(errors="replace"))
+        raise SourceError(f"{what}: the store's answer is not S3 XML ({exc}): {text}") from exc
 
 
-def translate(exc: Exception, what: str) -> TritonshareError:
-    """botocore's exceptions → the error tree."""
-    from botocore import exceptions as boto
+def _local(tag: str) -> str:
+    return tag.rpartition("}")[2]  # S3 answers in its 2006-03-01 namespace; some servers use none
 
-    if isinstance(exc, boto.ClientError):
-        return _client_error(exc, what)
-    if isinstance(exc, boto.NoCredentialsError | boto.PartialCredentialsError | boto.CredentialRetrievalError):
-        return SourceAccessDenied(f"{what}: no usable credentials ({exc}) — {DENIED_HINT}")
-    if isinstance(exc, boto.FlexibleChecksumError):
-        return TransientSourceError(f"{what}: checksum mismatch ({exc}) — the data was corrupted in transit")
-    if isinstance(exc, boto.ReadTimeoutError | boto.ConnectTimeoutError):
+
+def _text(element: ElementTree.Element, name: str) -> str:
+    return next((child.text or "" for child in element if _local(child.tag) == name), "")
+
+
+def _contents(page: ElementTree.Element) -> Iterator[tuple[str, int, str]]:
+    for item in page:
+        if _local(item.tag) == "Contents":
+            yield _text(item, "Key"), int(_text(item, "Size") or 0), _text(item, "ETag")
+
+
+def network_error(exc: BaseException, what: str) -> TritonshareError:
+    kind = failure_kind(exc)
+    if kind == "timeout":
         return TransientSourceError(f"{what}: the store did not answer in time ({exc})")
-    if isinstance(exc, boto.ConnectionError | boto.HTTPClientError | boto.IncompleteReadError):
-        return TransientSourceError(f"{what}: connection failed ({exc}) — check AWS_ENDPOINT_URL and the network")
-    return SourceError(f"{what}: {clip(str(exc))}")
+    if kind == "tls":
+        return SourceError(f"{what}: TLS certificate verification failed ({exc}) — set AWS_CA_BUNDLE for a private CA")
+    return TransientSourceError(
+        f"{what}: connection failed ({exc or type(exc).__name__}) — check AWS_ENDPOINT_URL and the network"
+    )
 
 
-def _client_error(exc: Any, what: str) -> TritonshareError:
-    error = exc.response.get("Error", {})
-    code = str(error.get("Code", ""))
-    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-    detail = f"{code}: {clip(str(error.get('Message') or exc))}" if code else clip(str(exc))
-    if code in _NOT_FOUND or status == 404:
+def status_error(response: Response, what: str) -> TritonshareError:
+    """An S3 error answer → the error tree (reads and closes the response)."""
+    try:
+        body = response.read(MAX_ERROR_BYTES)
+    except NETWORK_ERRORS:
+        body = b""
+    finally:
+        response.close()
+    code, message = _error_fields(body)
+    status = response.status
+    detail = f"{code}: {clip(message or response.reason)}" if code else f"HTTP {status} {response.reason}"
+    if code in _NOT_FOUND or (not code and status == 404):
         return SourceNotFound(f"{what}: not found ({detail}) — check the bucket and the key")
     if code in _DENIED or status in (401, 403):
         return SourceAccessDenied(f"{what}: access denied ({detail}) — {DENIED_HINT}")
     if code in _TRANSIENT or status >= 500 or status in (408, 412, 429):
         return TransientSourceError(f"{what}: the store failed ({detail})")
     return SourceError(f"{what}: the store refused the request ({detail})")
+
+
+def _error_fields(body: bytes) -> tuple[str, str]:
+    try:
+        root = ElementTree.fromstring(body) if body.strip() else None
+    except ElementTree.ParseError:
+        return "", body.decode(errors="replace")
+    if root is None:
+        return "", ""
+    return _text(root, "Code"), _text(root, "Message")

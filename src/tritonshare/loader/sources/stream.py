@@ -1,46 +1,84 @@
-"""Copy a byte stream into a file in bounded chunks: what every source's ``fetch`` does at its core.
+"""Byte streams from a source, and copying them into files in bounded chunks.
 
-Memory stays at one chunk per transfer whatever the object's size (seldon#6830, kserve#5162). The
-caller passes a ``read_into`` that fills a buffer and translates its SDK's errors; errors writing the
-destination (a full disk) are left as ``OSError`` for the download engine to classify.
+A network source opens an object (or a byte range of it) as a :class:`Body`; the download engine reads it
+into one reused buffer per thread, writes it with ``pwrite`` and feeds the same bytes to the checksum in
+the same pass — the file is never read back. Memory stays at one buffer per transfer whatever the object's
+size (seldon#6830, kserve#5162). A ``Body`` translates its transport's errors into the error tree; errors
+writing the destination (a full disk) stay ``OSError`` for the engine to classify.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
-from tritonshare.loader.sources.base import Progress
+from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject
 
 CHUNK_BYTES = 1 << 20  # large enough to keep per-chunk Python overhead small, small enough for 16 at once
 
 ReadInto = Callable[[memoryview], int]  # fills the buffer, returns the count; 0 at the end of the stream
 
 
+@dataclass(frozen=True)
+class Part:
+    """Bytes ``offset`` to ``offset + length - 1`` of an object."""
+
+    offset: int
+    length: int
+
+    @property
+    def header(self) -> str:
+        return f"bytes={self.offset}-{self.offset + self.length - 1}"
+
+
+class Body(Protocol):
+    """An object's bytes (or a part's) as they arrive."""
+
+    checksum: Checksum | None  # the whole object's checksum as this response states it, if it does
+
+    def readinto(self, buffer: memoryview, /) -> int:
+        """Fill ``buffer``; 0 at the end. Raises TransientSourceError/SourceError, never a bare OSError."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class StreamSource(Protocol):
+    """A source that hands out byte streams; the engine then does the writing and the verifying."""
+
+    def open(self, obj: RemoteObject, stall_timeout_s: float, part: Part | None = None) -> Body:
+        """The object's bytes, or only ``part`` of them (then the checksum is None). Raises as
+        ``Source.fetch`` does, and TransientSourceError when the store ignores the range."""
+        ...
+
+    def ranged(self, obj: RemoteObject) -> bool:
+        """Whether ``open`` may be given a part of ``obj``."""
+        ...
+
+
+def fetch_stream(
+    source: StreamSource, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float
+) -> None:
+    """``Source.fetch`` for a stream source: the whole object into ``dest`` (the engine does better)."""
+    body = source.open(obj, stall_timeout_s)
+    try:
+        copy_to_file(body.readinto, dest, progress)
+    finally:
+        body.close()
+
+
 def copy_to_file(read_into: ReadInto, dest: Path, progress: Progress, *, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Stream everything ``read_into`` yields into ``dest`` (created or truncated). Returns the byte count."""
     buffer = memoryview(bytearray(chunk_bytes))
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     total = 0
-    with open(dest, "wb") as out:
-        while count := read_into(buffer):
-            out.write(buffer[:count])
-            total += count
-            progress(count)
-    return total
-
-
-def copy_to_range(read_into: ReadInto, dest: Path, offset: int, length: int, progress: Progress) -> int:
-    """Stream at most ``length`` bytes from ``read_into`` into the existing file ``dest`` at ``offset``
-    (one part of a ranged download; other parts are written by other threads). Returns the byte count."""
-    buffer = memoryview(bytearray(min(CHUNK_BYTES, max(length, 1))))
-    total = 0
-    fd = os.open(dest, os.O_WRONLY)
     try:
-        while total < length and (count := read_into(buffer[: min(len(buffer), length - total)])):
-            written = 0
-            while written < count:
-                written += os.pwrite(fd, buffer[written:count], offset + total + written)
+        while count := read_into(buffer):
+            write_all(fd, buffer[:count], total)
             total += count
             progress(count)
     finally:
@@ -48,23 +86,8 @@ def copy_to_range(read_into: ReadInto, dest: Path, offset: int, length: int, pro
     return total
 
 
-class CountingWriter:
-    """A file-like object for SDKs that push bytes (``download_to_file``): writes through, reports progress."""
-
-    def __init__(self, dest: Path, progress: Progress) -> None:
-        self._file = open(dest, "wb")  # closed by close()/the context manager
-        self._progress = progress
-
-    def write(self, data: bytes) -> int:
-        count = self._file.write(data)
-        self._progress(count)
-        return count
-
-    def close(self) -> None:
-        self._file.close()
-
-    def __enter__(self) -> CountingWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def write_all(fd: int, data: memoryview, offset: int) -> None:
+    """``pwrite`` until every byte is written (a short write is legal, if rare, on regular files)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
