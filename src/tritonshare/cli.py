@@ -265,6 +265,58 @@ def unload(
     multiple=True,
     help="Header removed from tenant requests (e.g. Triton's --http-restricted-api key). Repeatable.",
 )
+@option(
+    "--connect-timeout-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=2.0,
+    help="Bound on connecting to Triton; past it the request gets 503 / UNAVAILABLE.",
+)
+@option(
+    "--max-inflight",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Inference requests of NAME at Triton at once (REST and gRPC together; a gRPC stream counts while "
+    "open); the excess waits in a queue. 0 = no cap.",
+)
+@option("--max-queue", type=click.IntRange(min=0), default=128, help="Requests waiting for a slot; more → 429.")
+@option(
+    "--queue-timeout-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    help="Longest wait for a slot; then 429 (REST) / RESOURCE_EXHAUSTED (gRPC).",
+)
+@option(
+    "--rate-limit-rps",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Inference requests per second (token bucket in front of the queue); over it → 429. 0 = off.",
+)
+@option(
+    "--rate-limit-burst",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default="0: one second's worth, ceil(rps)",
+    help="Requests allowed at once above the rate (the bucket's size).",
+)
+@option(
+    "--auth-token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="Bearer tokens (a mounted Secret, one per line), re-read on change; callers must send "
+    "'authorization: Bearer TOKEN'. Health probes stay open. Unset: no authentication.",
+)
+@option(
+    "--tls-cert",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="PEM certificate chain: TLS on the REST and gRPC ports (with --tls-key), reloaded on change.",
+)
+@option(
+    "--tls-key",
+    type=click.Path(path_type=Path, dir_okay=False),
+    default=None,
+    help="PEM private key (unencrypted) of --tls-cert.",
+)
 def proxy(
     repository: Path,
     staging: Path,

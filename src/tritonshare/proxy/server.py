@@ -5,7 +5,8 @@ Shutdown, in order (the pod's terminationGracePeriodSeconds must exceed drain + 
 1. readiness turns false at once (``state.draining``): probes and ServerReady say "not ready";
 2. listening sockets close, so new connections are refused; clients are told to go away (GOAWAY,
    ``Connection: close``);
-3. in-flight requests, streams included, get up to ``drain_timeout_s`` to finish; what is left is cut;
+3. in-flight requests, streams included, and requests waiting for an admission slot get up to
+   ``drain_timeout_s`` to finish; what is left is cut;
 4. the model folder is renamed out of the repository and deleted, and the proxy waits (bounded) until
    Triton no longer reports the model ready (:mod:`tritonshare.common.unload`) — unless another pod's lease
    on the model is fresh, and then the folder stays for it; exit 0.
@@ -50,8 +51,8 @@ async def serve(
     stop: asyncio.Event | None = None,
     on_started: Callable[[ProxyState, list[Frontend]], None] | None = None,
 ) -> int:
+    state = ProxyState(settings)  # reads the token and TLS files: a bad one stops here, before the lease
     heartbeat = _hold_lease(settings)
-    state = ProxyState(settings)
     frontends: list[Frontend] = [RestFrontend(state), GrpcFrontend(state)]
     metrics = MetricsServer(
         state.metrics, settings.host, settings.metrics_port, triton_metrics=_triton_metrics(settings)
@@ -60,15 +61,17 @@ async def serve(
         await frontend.start()
     await metrics.start()
     logger.info(
-        "serving model %s: REST on %s:%d, gRPC on %s:%d, metrics on :%d; Triton at %s and %s",
+        "serving model %s: REST on %s:%d, gRPC on %s:%d (%s), metrics on :%d; Triton at %s and %s; %s",
         settings.name,
         settings.host,
         frontends[0].port,
         settings.host,
         frontends[1].port,
+        "TLS" if state.tls else "plain text",
         metrics.port,
         settings.triton_url,
         settings.triton_grpc,
+        _controls(state),
     )
     stop = stop or _stop_on_signals()
     if on_started is not None:
@@ -81,6 +84,19 @@ async def serve(
     if settings.unload_on_exit:
         await asyncio.to_thread(_unload, settings)
     return ExitCode.OK
+
+
+def _controls(state: ProxyState) -> str:
+    """The fairness and access controls in force, for the start-up log line."""
+    limits = state.admission.limits
+    words = [
+        f"max {limits.max_inflight} in flight, queue {limits.max_queue} for {limits.queue_timeout_s:g}s"
+        if limits.max_inflight
+        else "no in-flight cap",
+        f"rate limit {limits.rate_limit_rps:g}/s burst {limits.burst}" if limits.rate_limit_rps else "no rate limit",
+        f"bearer tokens from {state.auth.path}" if state.auth else "no authentication",
+    ]
+    return ", ".join(words)
 
 
 def _triton_metrics(settings: ProxySettings) -> TritonModelMetrics | None:
@@ -125,14 +141,18 @@ async def _drain(state: ProxyState, frontends: list[Frontend]) -> None:
         frontend.stop_accepting()
         frontend.begin_drain()
     timeout_s = state.settings.drain_timeout_s
-    if await state.wait_idle(timeout_s):
+    if await state.wait_idle(timeout_s):  # queued requests too (admission control)
         logger.info("drained: no request in flight")
     else:
         logger.warning(
-            "drain timeout (%.1fs) passed with %d requests in flight; closing them", timeout_s, state.inflight
+            "drain timeout (%.1fs) passed with %d requests in flight and %d waiting for a slot; closing them",
+            timeout_s,
+            state.inflight,
+            state.admission.waiting,
         )
     for frontend in frontends:
         frontend.abort()
+    state.admission.close()
 
 
 def _unload(settings: ProxySettings) -> None:

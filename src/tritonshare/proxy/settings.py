@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import DEFAULT_TTL_S, Holder
@@ -29,3 +30,13 @@ class ProxySettings:
     max_json_bytes: int = 64 * 1024 * 1024  # JSON part of an infer body, held to check it
     readiness_interval_s: float = 1.0  # how long a cached own-model readiness answer stays fresh
     strip_headers: tuple[str, ...] = ()  # e.g. the header key of Triton's --http-restricted-api
+    # Admission control of the own model's inference requests (proxy/admission.py); 0 turns a limit off.
+    max_inflight: int = 0  # at Triton at once, REST and gRPC together (a gRPC stream counts while open)
+    max_queue: int = 128  # waiting for a slot; more are refused at once
+    queue_timeout_s: float = 10.0  # longest wait for a slot
+    rate_limit_rps: float = 0.0  # token bucket refill rate
+    rate_limit_burst: int = 0  # bucket size; 0 = one second's worth, ceil(rate_limit_rps)
+    # Access control (proxy/auth.py, proxy/tls.py); files are re-read when they change.
+    auth_token_file: Path | None = None  # bearer tokens, one per line; None = no authentication
+    tls_cert: Path | None = None  # PEM chain; with tls_key, TLS on both ports
+    tls_key: Path | None = None

@@ -1,8 +1,13 @@
-"""What the proxy's front ends share: settings, the own model's name, readiness, drain state, and the
-accounting of requests in flight (for metrics and for draining on SIGTERM).
+"""What the proxy's front ends share: settings, the own model's name, readiness, drain state, the
+accounting of requests in flight (for metrics and for draining on SIGTERM), and the optional fairness and
+access controls (issue 9): :attr:`ProxyState.admission`, :attr:`ProxyState.auth`, :attr:`ProxyState.tls`.
 
 Front ends call :meth:`ProxyState.begin` when a request is forwarded and :meth:`ProxyState.end` when its
-response is complete (or it failed); refusals the proxy answers itself go through :meth:`ProxyState.refuse`.
+response is complete (or it failed); refusals the proxy answers itself go through :meth:`ProxyState.refuse`,
+and other answers it gives itself (readiness) through :meth:`ProxyState.answered`.
+
+Build it inside the running event loop (admission control schedules on it). The access-control files are
+read here, so a bad ``--auth-token-file`` or ``--tls-cert`` stops the proxy before it listens.
 """
 
 from __future__ import annotations
@@ -11,9 +16,14 @@ import asyncio
 import time
 from typing import Protocol
 
+from tritonshare.proxy.admission import Admission, AdmissionLimits
+from tritonshare.proxy.auth import BearerTokens
 from tritonshare.proxy.metrics import ProxyMetrics
 from tritonshare.proxy.readiness import Readiness
 from tritonshare.proxy.settings import ProxySettings
+from tritonshare.proxy.tls import TlsCertificates
+
+_IDLE_POLL_S = 0.02  # how often a drain looks at the admission queue once nothing is in flight
 
 
 class Frontend(Protocol):
@@ -51,6 +61,10 @@ class ProxyState:
             ttl_s=settings.readiness_interval_s,
             timeout_s=settings.connect_timeout_s,
         )
+        registry = self.metrics.registry
+        self.admission = Admission(_limits(settings), model=settings.name, registry=registry)
+        self.auth = BearerTokens(settings.auth_token_file, registry=registry) if settings.auth_token_file else None
+        self.tls = TlsCertificates.from_options(settings.tls_cert, settings.tls_key, registry=registry)
         self.draining = False
         self._inflight = 0
         self._idle = asyncio.Event()
@@ -79,10 +93,33 @@ class ProxyState:
         self.metrics.refused(protocol, route, reason)
         self.metrics.observe(protocol, route, code, 0.0)
 
+    def answered(self, protocol: str, route: str, code: str, started: float) -> None:
+        """A request the proxy answered itself that is not a refusal (the own model's readiness)."""
+        self.metrics.observe(protocol, route, code, time.perf_counter() - started)
+
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until nothing is in flight; False if the timeout passed first."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            return False
-        return True
+        """Wait until nothing is in flight and no request waits for an admission slot (a REST request
+        waiting for one is not in flight yet); False if the timeout passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            if not self._idle.is_set():
+                try:
+                    await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    return False
+            if self.admission.idle:
+                return True
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(_IDLE_POLL_S)
+
+
+def _limits(settings: ProxySettings) -> AdmissionLimits:
+    return AdmissionLimits(
+        max_inflight=settings.max_inflight,
+        max_queue=settings.max_queue,
+        queue_timeout_s=settings.queue_timeout_s,
+        rate_limit_rps=settings.rate_limit_rps,
+        rate_limit_burst=settings.rate_limit_burst,
+    )
