@@ -54,3 +54,32 @@ def test_metrics_count_requests_and_refusals_and_reexport_only_the_own_model(
     # (the parser names counter samples <name>_total; Triton's page says nv_inference_request_success)
     success = [v for n, lab, v in samples if n == "nv_inference_request_success_total"]
     assert success and success[0] >= 3
+
+
+def test_plain_counters_export_as_prometheus_families() -> None:
+    from tritonshare.proxy.metrics import ProxyMetrics
+
+    metrics = ProxyMetrics("m")
+    metrics.inflight_gauge("rest").inc()
+    for seconds in (0.0001, 0.002, 0.002, 50.0):
+        metrics.observe("rest", "infer", "200", seconds)
+    metrics.refused("grpc", "ModelInfer", "not_found")
+    metrics.upstream_error("grpc")
+    families = {f.name: f for f in text_string_to_metric_families(metrics.exposition().decode())}
+
+    def value(family: str, sample: str, **labels: str) -> float:
+        return next(
+            s.value for s in families[family].samples if s.name == sample and labels.items() <= s.labels.items()
+        )
+
+    assert value("tritonshare_proxy_requests", "tritonshare_proxy_requests_total", route="infer", code="200") == 4
+    hist = "tritonshare_proxy_request_duration_seconds"
+    assert value(hist, hist + "_bucket", le="0.00025") == 1
+    assert value(hist, hist + "_bucket", le="0.0025") == 3  # cumulative
+    assert value(hist, hist + "_bucket", le="30.0") == 3
+    assert value(hist, hist + "_bucket", le="+Inf") == 4
+    assert value(hist, hist + "_count") == 4
+    assert abs(value(hist, hist + "_sum") - 50.0041) < 1e-9
+    assert value("tritonshare_proxy_refusals", "tritonshare_proxy_refusals_total", reason="not_found") == 1
+    assert value("tritonshare_proxy_inflight_requests", "tritonshare_proxy_inflight_requests", protocol="rest") == 1
+    assert value("tritonshare_proxy_upstream_errors", "tritonshare_proxy_upstream_errors_total") == 1

@@ -3,9 +3,6 @@ with real traffic, and none of the other tenant's; plus the text handling on pag
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import py_compile
 import re
 import shutil
 import subprocess
@@ -23,8 +20,7 @@ import tritonclient.http as httpclient
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.install import wait_model_ready
-from tests.support.models import write_model
+from tests.support.install import install_model
 from tests.support.ports import free_port
 from tests.support.triton import REPO_ROOT, TritonServer
 from tritonshare.common.layout import NodeLayout
@@ -38,25 +34,13 @@ class Tenants:
     other: str
 
 
-def install_compiled(layout: NodeLayout, triton: TritonServer, name: str) -> None:
-    """Install an identity model with its bytecode already compiled. The Python backend's stub embeds an
-    isolated interpreter that ignores PYTHONDONTWRITEBYTECODE, so it writes ``__pycache__`` into the model
-    folder, and POLL then reloads the model once — which would reset the counters this module counts."""
-    staged = layout.staging / f"{name}.test"
-    write_model(staged)
-    source = str(staged / "1" / "model.py")
-    py_compile.compile(source, cfile=importlib.util.cache_from_source(source), doraise=True)
-    os.rename(staged, layout.model_dir(name))
-    wait_model_ready(triton, name)
-
-
 @pytest.fixture(scope="module")
 def tenants(triton: TritonServer, layout: NodeLayout) -> Iterator[Tenants]:
     """Two fresh identity models, so their request counts are this module's alone."""
     tag = uuid.uuid4().hex[:8]
     models = Tenants(own=f"metrics-own-{tag}", other=f"metrics-other-{tag}")
-    install_compiled(layout, triton, models.own)
-    install_compiled(layout, triton, models.other)
+    install_model(layout, triton, models.own)
+    install_model(layout, triton, models.other)
     yield models
     for name in (models.own, models.other):
         unload_model(UnloadSettings(name=name, layout=layout, triton_url=triton.url, timeout_s=30))
