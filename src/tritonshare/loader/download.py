@@ -32,7 +32,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path, PurePosixPath
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from tritonshare.common.errors import (
     InsufficientSpace,
@@ -43,9 +43,11 @@ from tritonshare.common.errors import (
 )
 from tritonshare.loader.checksum import Hasher, cheapest, check, check_size, hasher_for, verify_file
 from tritonshare.loader.parts import Split
-from tritonshare.loader.settings import LoaderSettings
 from tritonshare.loader.sources.base import Progress, RemoteObject, Source
 from tritonshare.loader.sources.stream import CHUNK_BYTES, Body, Part, StreamSource, write_all
+
+if TYPE_CHECKING:
+    from tritonshare.loader.settings import LoaderSettings
 
 logger = logging.getLogger(__name__)
 
