@@ -32,6 +32,19 @@ are read, and header blocks decoded (cached) for ``grpc-status``. When Triton ca
 proxy answers as a minimal HTTP/2 server: each stream gets UNAVAILABLE, then GOAWAY; the next connection
 tries Triton again. Upstream dying mid-connection closes the client's connection.
 
+Access and fairness (issue 9; each off unless its option is given):
+
+- ``--auth-token-file``: a new stream's ``authorization`` metadata must carry a valid bearer token, checked
+  after its ``:path`` is judged and before the verdict is acted on (so a caller without one learns nothing
+  about methods: UNAUTHENTICATED); the probes (ServerLive, ServerReady, Health/Check) stay open. The header
+  is passed on as it came: removing it would force re-encode mode, and Triton ignores it.
+- ``--max-inflight`` / ``--rate-limit-rps``: each inference stream takes an admission slot or waits for one
+  without Triton starting it (:mod:`tritonshare.proxy.grpc_admission`); refused: RESOURCE_EXHAUSTED with
+  ``grpc-retry-pushback-ms``, and the stream is reset at Triton.
+- ``--tls-cert`` / ``--tls-key``: the listening socket speaks TLS (ALPN ``h2``), the certificate reloaded
+  on change for new connections (:mod:`tritonshare.proxy.tls`); Triton is reached in plain text, on the
+  node.
+
 Accounting (:class:`ProxyState`): a forwarded stream is in flight from its HEADERS until Triton's trailers
 (code = their grpc-status, e.g. ``ok``, ``invalid_argument``), a RST_STREAM (``reset`` by Triton,
 ``cancelled`` by the client) or the connection's end (``closed``); refusals carry the proxy's status
@@ -75,8 +88,13 @@ class GrpcFrontend:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         settings = self._state.settings
+        tls = self._state.tls.server_context(PROTOCOL) if self._state.tls else None  # ALPN h2
         self._server = await loop.create_server(
-            lambda: ClientConnection(self, self._state), settings.host, settings.grpc_port, reuse_address=True
+            lambda: ClientConnection(self, self._state),
+            settings.host,
+            settings.grpc_port,
+            reuse_address=True,
+            ssl=tls,
         )
 
     def stop_accepting(self) -> None:

@@ -15,11 +15,16 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol, cast
 
 from tritonshare.proxy import grpc_replies, http2
+from tritonshare.proxy.admission import LIMITED_ROUTES
+from tritonshare.proxy.auth import MESSAGE as AUTH_MESSAGE
+from tritonshare.proxy.auth import OPEN_GRPC_ROUTES
+from tritonshare.proxy.grpc_admission import StreamGate
 from tritonshare.proxy.grpc_streams import PROTOCOL, StreamTable
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
 from tritonshare.proxy.hpack_codec import HeaderBlock, HeaderDecoder, HpackError, encode_plain
 from tritonshare.proxy.policy import (
     GRPC_PERMISSION_DENIED,
+    GRPC_UNAUTHENTICATED,
     GRPC_UNAVAILABLE,
     GRPC_UNIMPLEMENTED,
     GrpcRule,
@@ -70,7 +75,17 @@ class ClientConnection(asyncio.Protocol):
         self._partial_need = 0  # that frame's full size (0: its 9-byte header is not complete yet)
         self._preface_left = len(http2.PREFACE)
         self._block: list[bytes] = []  # HEADERS + CONTINUATION frames of a header block in progress
-        self._streams = StreamTable(state)
+        self._streams = StreamTable(state, self._credit)
+        self._gate: StreamGate | None = None  # admission control, when on
+        if state.admission.active:
+            self._gate = StreamGate(
+                state.admission,
+                self._streams,
+                to_client=self._to_client,
+                to_upstream=self._to_upstream,
+                refuse=self._refuse_forwarded,
+            )
+        self._auth = state.auth
         self.reset_streams = self._streams.reset  # read by the Triton side for every frame
         self._window_debt = 0  # DATA bytes the proxy sent the client itself (see module docstring)
         self._goaway_last: int | None = None
@@ -302,6 +317,11 @@ class ClientConnection(asyncio.Protocol):
             chunks.append(memoryview(data)[run:end])
         upstream.transport.writelines(chunks)
 
+    def _to_upstream(self, frames: bytes) -> None:
+        """The proxy's own frames (or held ones) to Triton, between whole client frames."""
+        if self._upstream is not None:
+            self._upstream.send(frames)
+
     def _to_client(self, frames: bytes) -> None:
         """The proxy's own frames to the client, between Triton's frames."""
         if self._upstream is not None:
@@ -324,16 +344,22 @@ class ClientConnection(asyncio.Protocol):
             start, end = start + first, start + last
         refusal = stream.inspector.feed(data, start, end)
         if refusal is None:
-            return None
+            if stream.ticket is None:
+                return None
+            assert self._gate is not None
+            return self._gate.hold(stream_id, stream, data, pos, stop, flags)
         self._refuse_forwarded(stream_id, refusal)
         self._drop_data(stop - pos - http2.HEADER_SIZE)
         return http2.rst_stream(stream_id, http2.CANCEL)
 
     def _drop_data(self, length: int) -> bytes:
         """A client DATA frame Triton must not see: credit its bytes back to the client's window."""
+        self._credit(length)
+        return b""
+
+    def _credit(self, length: int) -> None:
         if length:
             self._to_client(http2.window_update(0, length))
-        return b""
 
     def _on_rst_stream(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
         if self._streams.finish(stream_id, "cancelled"):
@@ -397,11 +423,21 @@ class ClientConnection(asyncio.Protocol):
             if not self._open_stream(stream_id, block):
                 self._reencode = self._reencode or block.changes_table
                 return b""
-        elif stream_id not in self._streams.active:  # only trailers of a stream in flight go on
-            self._reencode = self._reencode or block.changes_table
-            return b""
+        else:  # only trailers of a stream in flight go on
+            stream = self._streams.active.get(stream_id)
+            if stream is None:
+                self._reencode = self._reencode or block.changes_table
+                return b""
+            if stream.held is not None:  # behind its held frames; index-free, as it reaches Triton later
+                self._reencode = self._reencode or block.changes_table
+                stream.held.append(self._plain_frames(stream_id, flags, block))
+                return b""
         if not self._reencode:
             return None
+        return self._plain_frames(stream_id, flags, block)
+
+    def _plain_frames(self, stream_id: int, flags: int, block: HeaderBlock) -> bytes:
+        """The block re-encoded without the dynamic table (and without stripped headers)."""
         headers = [h for h in block.headers if h[0] not in self._strip]
         return http2.header_frames(stream_id, encode_plain(headers), end_stream=bool(flags & http2.END_STREAM))
 
@@ -414,6 +450,9 @@ class ClientConnection(asyncio.Protocol):
             self._streams.answer_locally(stream_id)
             self._to_client(http2.rst_stream(stream_id, http2.PROTOCOL_ERROR))
             self._state.refuse(PROTOCOL, "unknown", "protocol_error", "malformed")
+        elif self._auth is not None and not self._authenticated(rule, block):
+            route = rule.route if rule else "unknown"
+            self._refuse_local(stream_id, route, GRPC_UNAUTHENTICATED, AUTH_MESSAGE, "unauthenticated")
         elif self._unavailable:
             message = "Triton is not reachable from the proxy; retry later"
             self._refuse_local(stream_id, rule.route if rule else "unknown", GRPC_UNAVAILABLE, message, "unavailable")
@@ -427,11 +466,21 @@ class ClientConnection(asyncio.Protocol):
             return self._verdicts[rule.verdict](stream_id, rule, block)
         return False
 
+    def _authenticated(self, rule: GrpcRule | None, block: HeaderBlock) -> bool:
+        """Probes are open; everything else needs a valid bearer token (checked before the verdict is acted
+        on, so a caller without one learns nothing about methods)."""
+        assert self._auth is not None
+        if rule is not None and rule.route in OPEN_GRPC_ROUTES:
+            return True
+        return self._auth.check_grpc(block.get(b"authorization"))
+
     def _forward(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> bool:
         inspector = None
         if rule.verdict is Verdict.OWN:
             inspector = MessageInspector(rule, self._own, encoding=block.encoding, limit=self._limit)
-        self._streams.forward(stream_id, rule, inspector)
+        stream = self._streams.forward(stream_id, rule, inspector)
+        if self._gate is not None and rule.route in LIMITED_ROUTES:
+            self._gate.admit(stream_id, stream)
         return True
 
     def _deny(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> bool:
@@ -446,10 +495,12 @@ class ClientConnection(asyncio.Protocol):
         self._to_client(grpc_replies.refusal(stream_id, status, message))
         self._state.refuse(PROTOCOL, route, grpc_replies.STATUS_NAMES[status], reason)
 
-    def _refuse_forwarded(self, stream_id: int, refusal: Refusal) -> None:
+    def _refuse_forwarded(self, stream_id: int, refusal: Refusal, pushback_ms: int | None = None) -> None:
         """A forwarded stream's message is refused: it ends for the client (the caller resets it at Triton)."""
         stream = self._streams.refuse(stream_id, refusal)
-        frames = grpc_replies.refusal(stream_id, refusal.status, refusal.message, headers_sent=stream.headers_sent)
+        frames = grpc_replies.refusal(
+            stream_id, refusal.status, refusal.message, headers_sent=stream.headers_sent, pushback_ms=pushback_ms
+        )
         self._to_client(frames)
         self._close_if_drained()
 
@@ -476,7 +527,7 @@ class ClientConnection(asyncio.Protocol):
         frames, data_bytes = grpc_replies.unary_response(stream_id, grpc_replies.READINESS_MESSAGES[rule.route][ready])
         self._window_debt += data_bytes
         self._to_client(frames)
-        self._state.metrics.observe(PROTOCOL, rule.route, "ok", time.perf_counter() - started)
+        self._state.answered(PROTOCOL, rule.route, "ok", started)
 
     # ---------------------------------------------------------------------------------- Triton down
 

@@ -45,19 +45,24 @@ READINESS_MESSAGES: dict[str, tuple[bytes, bytes]] = {
 }
 
 
-def status_block(status: int, message: str, *, headers_sent: bool) -> bytes:
+def status_block(status: int, message: str, *, headers_sent: bool, pushback_ms: int | None = None) -> bytes:
     """The header block that ends a stream with ``status``: trailers after response headers, or a
-    trailers-only response when nothing was sent on the stream yet."""
+    trailers-only response when nothing was sent on the stream yet. ``pushback_ms``: when the client's
+    retry policy may retry (``grpc-retry-pushback-ms``, gRFC A6)."""
     fields: list[Header] = [] if headers_sent else list(_RESPONSE_HEADERS)
     fields.append((b"grpc-status", str(status).encode()))
     if message:
         fields.append((b"grpc-message", urllib.parse.quote(message, safe=_MESSAGE_SAFE).encode()))
+    if pushback_ms is not None:
+        fields.append((b"grpc-retry-pushback-ms", str(pushback_ms).encode()))
     return encode_plain(fields)
 
 
-def refusal(stream_id: int, status: int, message: str, *, headers_sent: bool = False) -> bytes:
+def refusal(
+    stream_id: int, status: int, message: str, *, headers_sent: bool = False, pushback_ms: int | None = None
+) -> bytes:
     """Frames that end stream ``stream_id`` with a gRPC error status."""
-    block = status_block(status, message, headers_sent=headers_sent)
+    block = status_block(status, message, headers_sent=headers_sent, pushback_ms=pushback_ms)
     return http2.header_frames(stream_id, block, end_stream=True)
 
 

@@ -4,12 +4,18 @@ A stream is forwarded (Triton sees it: in flight until Triton ends it or either 
 by the proxy itself (Triton never sees it), or reset by the proxy after forwarding (a refused message).
 The relay must not send Triton frames of a stream it never saw — RST_STREAM or WINDOW_UPDATE on an idle
 stream is a connection error (RFC 7540 §5.1) — so it asks :meth:`StreamTable.known_upstream`.
+
+Under admission control (:mod:`tritonshare.proxy.admission`) an inference stream holds a slot or waits
+for one; whichever way it ends, :meth:`StreamTable._leave` gives the slot back (or its place in the queue)
+and credits the client's window for the frames it held back from Triton meanwhile.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from tritonshare.proxy.admission import Ticket
 from tritonshare.proxy.grpc_replies import STATUS_NAMES
 from tritonshare.proxy.policy import GrpcRule
 from tritonshare.proxy.protobuf import MessageInspector, Refusal
@@ -27,20 +33,28 @@ class Stream:
     started: float
     inspector: MessageInspector | None  # OWN RPCs: judges each request message
     headers_sent: bool = False  # Triton has sent response headers on it
+    ticket: Ticket | None = None  # waiting for an admission slot (or refused one): see ClientConnection._admit
+    holding: bool = False  # holds an admission slot
+    held: list[bytes] | None = None  # its frames kept from Triton until it gets a slot
+    held_bytes: int = 0  # their DATA payload bytes (flow-controlled)
 
 
 class StreamTable:
-    def __init__(self, state: ProxyState) -> None:
+    def __init__(self, state: ProxyState, credit: Callable[[int], None]) -> None:
+        """``credit(n)``: give the client back ``n`` bytes of connection window (held DATA never sent)."""
         self._state = state
+        self._admission = state.admission
+        self._credit = credit
         self.active: dict[int, Stream] = {}
         self.reset: dict[int, None] = {}  # forwarded, then reset by the proxy
         self.local: dict[int, None] = {}  # answered by the proxy
         self.client_max = 0  # highest stream id the client opened
         self.upstream_max = 0  # highest stream id forwarded to Triton
 
-    def forward(self, stream_id: int, rule: GrpcRule, inspector: MessageInspector | None) -> None:
-        self.active[stream_id] = Stream(rule, self._state.begin(PROTOCOL), inspector)
+    def forward(self, stream_id: int, rule: GrpcRule, inspector: MessageInspector | None) -> Stream:
+        stream = self.active[stream_id] = Stream(rule, self._state.begin(PROTOCOL), inspector)
         self.upstream_max = stream_id
+        return stream
 
     def answer_locally(self, stream_id: int) -> None:
         _remember(self.local, stream_id)
@@ -55,12 +69,16 @@ class StreamTable:
         stream = self.active.pop(stream_id, None)
         if stream is None:
             return False
+        if stream.ticket is not None or stream.holding:
+            self._leave(stream)
         self._state.end(PROTOCOL, stream.rule.route, code, stream.started)
         return True
 
     def refuse(self, stream_id: int, refusal: Refusal) -> Stream:
         """A message of a forwarded stream is refused: the proxy resets it at Triton."""
         stream = self.active.pop(stream_id)
+        if stream.ticket is not None or stream.holding:
+            self._leave(stream)
         _remember(self.reset, stream_id)
         self._state.end(PROTOCOL, stream.rule.route, STATUS_NAMES[refusal.status], stream.started)
         self._state.metrics.refused(PROTOCOL, stream.rule.route, refusal.reason)
@@ -76,7 +94,21 @@ class StreamTable:
     def end_all(self, code: str) -> None:
         streams, self.active = self.active, {}
         for stream in streams.values():
+            if stream.ticket is not None or stream.holding:
+                self._leave(stream)
             self._state.end(PROTOCOL, stream.rule.route, code, stream.started)
+
+    def _leave(self, stream: Stream) -> None:
+        """An admission-controlled stream is over: its slot goes to the next waiter, or it leaves the
+        queue; frames it held back never reach Triton, so their bytes are credited to the client."""
+        if stream.ticket is not None:  # waiting, or refused a slot: holds none (cancel is safe either way)
+            stream.ticket.cancel()
+            if stream.held_bytes:
+                self._credit(stream.held_bytes)
+            stream.ticket, stream.held, stream.held_bytes = None, None, 0
+        elif stream.holding:
+            stream.holding = False
+            self._admission.release()
 
 
 def _remember(ids: dict[int, None], stream_id: int) -> None:

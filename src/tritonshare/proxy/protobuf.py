@@ -311,7 +311,18 @@ def names_shm_parameter(number: int, data: bytes) -> bool:
 class MessageInspector:
     """Follows the gRPC messages of one request stream and judges each one as it completes."""
 
-    __slots__ = ("_rule", "_own", "_encoding", "_limit", "_prefix", "_left", "_walker", "_inflater")
+    __slots__ = (
+        "_rule",
+        "_own",
+        "_encoding",
+        "_limit",
+        "_prefix",
+        "_left",
+        "_walker",
+        "_inflater",
+        "messages",
+        "first_end",
+    )
 
     def __init__(self, rule: GrpcRule, own: bytes, *, encoding: bytes | None, limit: int) -> None:
         self._rule = rule
@@ -322,6 +333,10 @@ class MessageInspector:
         self._left = 0  # body bytes of the current message still to come
         self._walker: FieldWalker | None = None
         self._inflater: zlib._Decompress | None = None
+        self.messages = 0  # messages judged and accepted so far
+        # Where the first accepted message ended, in the buffer of the feed() call that completed it (the
+        # relay holds a stream waiting for admission from that message's last byte on).
+        self.first_end = -1
 
     def feed(self, buf: bytes, pos: int, end: int) -> Refusal | None:
         """Feed DATA bytes ``buf[pos:end]``; the refusal of the first message completed in them that
@@ -332,7 +347,7 @@ class MessageInspector:
                     stop = pos + 5 + _U32.unpack_from(buf, pos + 1)[0]
                     if stop <= end:  # a whole uncompressed message: walk it in one go
                         result = walk_message(buf, pos + 5, stop, inspect=self._rule.inspect, limit=self._limit)
-                        refusal = self._judge(result)
+                        refusal = self._judge(result, stop)
                         if refusal is not None:
                             return refusal
                         pos = stop
@@ -342,7 +357,7 @@ class MessageInspector:
                     self._prefix += buf[pos : pos + take]
                     pos += take
                     if len(self._prefix) == 5:
-                        refusal = self._start_message()
+                        refusal = self._start_message(pos)
                         if refusal is not None:
                             return refusal
                     continue
@@ -351,14 +366,14 @@ class MessageInspector:
                 pos += take
                 self._left -= take
                 if not self._left:
-                    refusal = self._end_message()
+                    refusal = self._end_message(pos)
                     if refusal is not None:
                         return refusal
         except (MalformedMessage, zlib.error) as exc:
             return Refusal(GRPC_INVALID_ARGUMENT, f"request message is not valid protobuf: {exc}", "malformed")
         return None
 
-    def _start_message(self) -> Refusal | None:
+    def _start_message(self, pos: int) -> Refusal | None:
         flag, length = self._prefix[0], int.from_bytes(self._prefix[1:5], "big")
         self._prefix.clear()
         if flag > 1:
@@ -377,7 +392,7 @@ class MessageInspector:
             self._inflater = zlib.decompressobj(wbits)
         self._walker = FieldWalker(inspect=self._rule.inspect, limit=self._limit)
         self._left = length
-        return self._end_message() if length == 0 else None
+        return self._end_message(pos) if length == 0 else None
 
     def _feed_body(self, buf: bytes, start: int, end: int) -> None:
         assert self._walker is not None
@@ -390,7 +405,7 @@ class MessageInspector:
             self._walker.feed(out, 0, len(out))
             chunk = self._inflater.unconsumed_tail
 
-    def _end_message(self) -> Refusal | None:
+    def _end_message(self, pos: int) -> Refusal | None:
         walker, self._walker = self._walker, None
         assert walker is not None
         if self._inflater is not None:
@@ -398,9 +413,10 @@ class MessageInspector:
             walker.feed(rest, 0, len(rest))
             if not self._inflater.eof:
                 raise MalformedMessage(f"compressed message ends before its {self._encoding!r} stream does")
-        return self._judge(walker.finish())
+        return self._judge(walker.finish(), pos)
 
-    def _judge(self, result: WalkResult) -> Refusal | None:
+    def _judge(self, result: WalkResult, end: int) -> Refusal | None:
+        """The verdict on a message that ended at ``end`` in the buffer being fed."""
         name = result.model_name
         if not result.name_complete or not grpc_model_allowed(self._rule, name, self._own):
             return Refusal(GRPC_NOT_FOUND, grpc_not_found(name), "other_model")
@@ -416,4 +432,7 @@ class MessageInspector:
                 return Refusal(
                     GRPC_PERMISSION_DENIED, "shared-memory parameters are not available to tenants", "shared_memory"
                 )
+        self.messages += 1
+        if self.messages == 1:
+            self.first_end = end
         return None
