@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import ipaddress
 import logging
 import os
 import shutil
@@ -19,68 +17,12 @@ from typing import Any
 import pytest
 import uvloop
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives import serialization
 from prometheus_client import CollectorRegistry
 
+from tests.support.certs import CertificateAuthority, write_atomically
 from tritonshare.common.errors import UsageError
 from tritonshare.proxy.tls import TlsCertificates
-
-
-class CertificateAuthority:
-    """A throw-away certificate authority issuing server certificates for localhost and 127.0.0.1."""
-
-    def __init__(self, name: str = "tritonshare test CA") -> None:
-        self.key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        self.cert = (
-            _builder(subject, subject, self.key.public_key(), serial=1)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(self.key, hashes.SHA256())
-        )
-
-    def write_ca(self, path: Path) -> Path:
-        path.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
-        return path
-
-    def issue(self, serial: int) -> tuple[bytes, bytes]:
-        """(certificate PEM, unencrypted key PEM) of a server certificate with this serial number."""
-        key = ec.generate_private_key(ec.SECP256R1())
-        names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-        cert = (
-            _builder(
-                x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "proxy")]),
-                self.cert.subject,
-                key.public_key(),
-                serial,
-            )
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
-            .sign(self.key, hashes.SHA256())
-        )
-        key_pem = key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-        return cert.public_bytes(serialization.Encoding.PEM), key_pem
-
-
-def _builder(subject: x509.Name, issuer: x509.Name, public_key: Any, serial: int) -> x509.CertificateBuilder:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer)
-        .public_key(public_key)
-        .serial_number(serial)
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-    )
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.rename(tmp, path)
 
 
 class Clock:
