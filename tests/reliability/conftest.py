@@ -224,9 +224,10 @@ class _GrpcRecording(grpc.GenericRpcHandler):
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = str(handler_call_details.method)  # type: ignore[attr-defined]
 
-        def handle(requests: Iterator[bytes], _context: grpc.ServicerContext) -> Iterator[bytes]:
+        def handle(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+            metadata = {key: str(value) for key, value in context.invocation_metadata()}
             for message in requests:
-                self.recorder.record(method, message)
+                self.recorder.record(method, message, metadata)
                 yield b""  # an empty message of any response type
 
         return grpc.stream_stream_rpc_method_handler(handle)  # no (de)serializers: raw bytes both ways
@@ -237,14 +238,16 @@ class GrpcRecorder:
     """Stands in for Triton's gRPC port (a real grpcio server): records every request message of every method
     that reaches it and answers each with an empty message."""
 
-    seen: list[tuple[str, bytes]] = field(default_factory=list)
+    seen: list[tuple[str, bytes]] = field(default_factory=list)  # (method, request message)
+    metadata: list[dict[str, str]] = field(default_factory=list)  # the call's metadata, one per message
     port: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _server: grpc.Server | None = None
 
-    def record(self, method: str, message: bytes) -> None:
+    def record(self, method: str, message: bytes, metadata: dict[str, str]) -> None:
         with self._lock:
             self.seen.append((method, message))
+            self.metadata.append(metadata)
 
     def start(self) -> GrpcRecorder:
         self._server = grpc.server(ThreadPoolExecutor(max_workers=8), handlers=[_GrpcRecording(self)])
@@ -271,19 +274,20 @@ class Hostile:
 
 
 HOSTILE_MAX_JSON_BYTES = 1 << 20
+RESTRICTED_KEY = "triton-key"  # as if Triton ran with --http-restricted-api / --grpc-restricted-protocol
 
 
 @pytest.fixture(scope="session")
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hostile]:
     """One proxy for the session's hostile-input tests, in front of recording stand-ins for Triton, with a
-    1 MiB ``--max-json-bytes`` so the limits are cheap to reach."""
+    1 MiB ``--max-json-bytes`` so the limits are cheap to reach, and Triton's restricted-API key header to strip."""
     root = tmp_path_factory.mktemp("hostile")
     rest, grpc_recorder = RestRecorder().start(), GrpcRecorder().start()
     stand_in = TritonServer(  # never started: only its addresses are used, which are the recorders'
         repository=root, log_path=root / "no-triton.log", http_port=rest.port, grpc_port=grpc_recorder.port
     )
     layout = NodeLayout(repository=root, staging=root)
-    extra = ["--no-unload", "--max-json-bytes", str(HOSTILE_MAX_JSON_BYTES), "--drain-timeout-s", "5"]
+    extra = ["--no-unload", "--max-json-bytes", str(HOSTILE_MAX_JSON_BYTES), "--strip-header", RESTRICTED_KEY]
     proxy = ProxyProcess("tenant-own", stand_in, layout, root / "proxy.log", extra).start()
     yield Hostile("tenant-own", proxy, rest, grpc_recorder)
     proxy.stop()

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
-from tests.reliability.conftest import Hostile
+from tests.reliability.conftest import RESTRICTED_KEY, Hostile
 from tritonshare.proxy.policy import GRPC_SERVICE, HEALTH_SERVICE
 
 OWN = "tenant-own"
@@ -70,6 +70,8 @@ def shm_keys(request: pb.ModelInferRequest) -> list[str]:
 def assert_nothing_unlawful_reached_triton(hostile: Hostile, since: int) -> None:
     reasons = [r for method, message in hostile.grpc.seen[since:] if (r := unlawful(method, message, hostile.own))]
     assert not reasons, reasons
+    keys = [m[RESTRICTED_KEY] for m in hostile.grpc.metadata[since:] if RESTRICTED_KEY in m]
+    assert not keys, f"Triton's restricted-API key reached it: {keys}"
     assert hostile.alive(), hostile.proxy.log_text()[-3000:]
 
 
@@ -80,11 +82,13 @@ def channel(hostile: Hostile) -> Iterator[grpc.Channel]:
         yield ch
 
 
-def call(channel: grpc.Channel, method: str, message: bytes, *, gzip: bool = False) -> str:
+def call(
+    channel: grpc.Channel, method: str, message: bytes, *, gzip: bool = False, metadata: list[tuple[str, str]] = ()
+) -> str:
     """A unary call with raw request bytes; the status name it ended with."""
     compression = grpc.Compression.Gzip if gzip else grpc.Compression.NoCompression
     try:
-        channel.unary_unary(method)(message, timeout=10, compression=compression)
+        channel.unary_unary(method)(message, timeout=10, compression=compression, metadata=metadata)
     except grpc.RpcError as exc:
         return str(exc.code().name)  # type: ignore[attr-defined]
     return "OK"
@@ -186,13 +190,22 @@ methods = st.one_of(
 # ---------------------------------------------------------------------------------------------- properties
 
 
+metadata = st.lists(
+    st.tuples(
+        st.sampled_from([RESTRICTED_KEY, "x-request-id", "authorization"]),
+        st.from_regex(r"[a-z0-9]{1,8}", fullmatch=True),
+    ),
+    max_size=2,
+)
+
+
 @EXAMPLES
-@given(method=methods, message=messages, gzip=st.booleans())
+@given(method=methods, message=messages, gzip=st.booleans(), extra=metadata)
 def test_no_unlawful_unary_call_reaches_triton(
-    hostile: Hostile, channel: grpc.Channel, method: str, message: bytes, gzip: bool
+    hostile: Hostile, channel: grpc.Channel, method: str, message: bytes, gzip: bool, extra: list[tuple[str, str]]
 ) -> None:
     since = len(hostile.grpc.seen)
-    event(call(channel, method, message, gzip=gzip))
+    event(call(channel, method, message, gzip=gzip, metadata=extra))
     assert_nothing_unlawful_reached_triton(hostile, since)
 
 

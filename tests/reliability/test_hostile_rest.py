@@ -18,7 +18,7 @@ from urllib.parse import quote
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.reliability.conftest import Hostile, Seen
+from tests.reliability.conftest import RESTRICTED_KEY, Hostile, Seen
 
 SHM_KEYS = ("shared_memory_region", "shared_memory_offset", "shared_memory_byte_size")
 OWN = "tenant-own"
@@ -68,10 +68,20 @@ def shm_keys_forwarded(seen: Seen) -> list[str]:
     return found
 
 
+# Headers that must never reach Triton from a tenant: hop-by-hop ones (an Upgrade would switch the connection to a
+# protocol the proxy does not judge), and the key of Triton's restricted APIs.
+NEVER_FORWARDED = frozenset({"upgrade", "keep-alive", "proxy-connection", "te", "trailer", "proxy-authorization",
+                             "expect", RESTRICTED_KEY})  # fmt: skip
+
+
 def assert_nothing_unlawful_reached_triton(hostile: Hostile, since: int) -> None:
     reached = hostile.rest.seen[since:]
     unlawful = [f"{s.method} {s.path}" for s in reached if not allowed(s, hostile.own)]
     assert not unlawful, f"reached Triton: {unlawful}"
+    headers = [
+        (s.path, sorted(NEVER_FORWARDED & s.headers.keys())) for s in reached if NEVER_FORWARDED & s.headers.keys()
+    ]
+    assert not headers, f"headers that must not reach Triton did: {headers}"
     smuggled = [(s.path, keys) for s in reached if (keys := shm_keys_forwarded(s))]
     assert not smuggled, f"shared-memory parameters reached Triton: {smuggled}"
     assert hostile.alive(), hostile.proxy.log_text()[-3000:]
@@ -141,8 +151,10 @@ methods = st.one_of(
 HEADER_NAMES = [
     "Content-Encoding", "Inference-Header-Content-Length", "Expect", "Connection", "Content-Type", "Upgrade",
     "TE", "Trailer", "Keep-Alive", "Proxy-Authorization", "Transfer-Encoding", "X-Forwarded-For", "Triton-Key",
+    "TRITON-KEY", "Proxy-Connection",
 ]  # fmt: skip
-HEADER_VALUES = ["gzip", "deflate", "identity", "br", "chunked", "close", "keep-alive", "100-continue", "0", "10"]
+HEADER_VALUES = ["gzip", "deflate", "identity", "br", "chunked", "close", "keep-alive", "100-continue", "0", "10",
+                 "upgrade", "h2c", "Upgrade, Triton-Key", "trailers"]  # fmt: skip
 headers = st.lists(
     st.tuples(
         st.one_of(st.sampled_from(HEADER_NAMES), st.from_regex(r"[A-Za-z][A-Za-z0-9-]{0,15}", fullmatch=True)),
