@@ -125,39 +125,14 @@ def loaded_count(log_text: str, names: set[str]) -> int:
 
 
 def run_gc(node: Node, triton: TritonServer, *, ttl_s: float, manage: str) -> subprocess.CompletedProcess[str]:
-    """One pass of ``tritonshare gc`` over the node (the click command of :mod:`tritonshare.node.gc_command`,
-    run in a subprocess through ``tritonshare gc`` once the CLI has it, else directly)."""
-    args = [
-        "--once",
-        "--repository",
-        str(node.layout.repository),
-        "--staging",
-        str(node.layout.staging),
-        "--leases",
-        str(node.leases),
-        "--triton-url",
-        triton.url,
-        "--lease-ttl-s",
-        str(ttl_s),
-        "--manage",
-        manage,
-        "--termination-log",
-        str(node.root / "gc-termination"),
-    ]
-    if _cli_has("gc"):
-        cmd = [TRITONSHARE, "gc", *args]
-    else:
-        code = (
-            "import logging, sys; logging.basicConfig(level=logging.INFO); "
-            "from tritonshare.node.gc_command import gc; gc(sys.argv[1:])"
-        )
-        cmd = [sys.executable, "-c", code, *args]
+    """One pass of ``tritonshare gc --once`` over the node, for the model NAMEs matching ``manage``."""
+    cmd = [
+        TRITONSHARE, "gc", "--once",
+        "--repository", str(node.layout.repository), "--staging", str(node.layout.staging),
+        "--leases", str(node.leases), "--triton-url", triton.url, "--lease-ttl-s", str(ttl_s),
+        "--manage", manage, "--termination-log", str(node.root / "gc-termination"),
+    ]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-
-
-def _cli_has(command: str) -> bool:
-    out = subprocess.run([TRITONSHARE, command, "--help"], capture_output=True, text=True, timeout=30)
-    return out.returncode == 0
 
 
 def vm_kib(pid: int, field: str) -> int:

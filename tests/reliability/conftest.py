@@ -21,7 +21,7 @@ from aiohttp import web
 from bench.faults.node import Node
 
 from tests.support.ports import free_port
-from tests.support.proxy import ProxyProcess
+from tests.support.proxy import TRITONSHARE, ProxyProcess
 from tests.support.storage import HttpFileServer
 from tests.support.triton import TritonServer
 from tritonshare.common.layout import NodeLayout
@@ -271,6 +271,16 @@ class Hostile:
 
     def alive(self) -> bool:
         return self.proxy.process is not None and self.proxy.process.poll() is None
+
+    def proxy_command(self, http_port: int, grpc_port: int, root: Path) -> list[str]:
+        """The command of another ``tritonshare proxy`` in front of the same recorders (for tests that need a
+        proxy of their own: one they limit, load until it fails, or end)."""
+        return [
+            TRITONSHARE, "proxy", "--name", self.own, "--host", "127.0.0.1",
+            "--triton-url", f"http://127.0.0.1:{self.rest.port}", "--triton-grpc", f"127.0.0.1:{self.grpc.port}",
+            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(free_port()),
+            "--repository", str(root), "--staging", str(root), "--no-unload",
+        ]  # fmt: skip
 
 
 HOSTILE_MAX_JSON_BYTES = 1 << 20

@@ -16,19 +16,8 @@ import pytest
 
 from tests.reliability.conftest import Hostile
 from tests.support.ports import free_port, wait_port
-from tests.support.proxy import TRITONSHARE
 
 pytestmark = [pytest.mark.slow]
-
-
-def proxy_command(hostile: Hostile, http_port: int, grpc_port: int, root: Path) -> list[str]:
-    """``tritonshare proxy`` in front of the hostile fixture's recording stand-ins for Triton."""
-    return [
-        TRITONSHARE, "proxy", "--name", hostile.own, "--host", "127.0.0.1",
-        "--triton-url", f"http://127.0.0.1:{hostile.rest.port}", "--triton-grpc", f"127.0.0.1:{hostile.grpc.port}",
-        "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(free_port()),
-        "--repository", str(root), "--staging", str(root), "--no-unload",
-    ]  # fmt: skip
 
 
 @pytest.fixture
@@ -57,7 +46,7 @@ def test_a_grpc_connection_that_sends_nothing_opens_no_connection_to_triton(
     that never start a stream."""
     http_port, grpc_port = free_port(), free_port()
     with open(tmp_path / "proxy.log", "wb") as log:
-        proxy = subprocess.Popen(proxy_command(hostile, http_port, grpc_port, tmp_path), stdout=log, stderr=log)
+        proxy = subprocess.Popen(hostile.proxy_command(http_port, grpc_port, tmp_path), stdout=log, stderr=log)
     try:
         wait_port(grpc_port)
         time.sleep(0.5)
@@ -86,7 +75,7 @@ def test_a_few_hundred_silent_connections_do_not_lock_other_clients_out(
     arrive within a deadline (nginx: client_header_timeout 60 s) or that idle between requests
     (keepalive_timeout)."""
     http_port, grpc_port = free_port(), free_port()
-    command = ["prlimit", "--nofile=256:4096", "--", *proxy_command(hostile, http_port, grpc_port, tmp_path)]
+    command = ["prlimit", "--nofile=256:4096", "--", *hostile.proxy_command(http_port, grpc_port, tmp_path)]
     with open(tmp_path / "proxy.log", "wb") as log:
         proxy = subprocess.Popen(command, stdout=log, stderr=log)
     try:

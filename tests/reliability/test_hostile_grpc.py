@@ -8,18 +8,25 @@ fields, truncated bytes, compressed — over any method name, unary and streamed
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
+import subprocess
+import threading
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
+from bench.faults.node import vm_kib
 from google.protobuf.message import DecodeError, Message
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
 from tests.reliability.conftest import RESTRICTED_KEY, Hostile
+from tests.support.ports import free_port, wait_port
 from tritonshare.proxy.policy import GRPC_SERVICE, HEALTH_SERVICE
 
 OWN = "tenant-own"
@@ -298,3 +305,73 @@ def test_a_compressed_bomb_naming_another_model_at_its_end_is_refused_in_bounded
     grown = hostile.proxy.rss_kib("VmHWM") / 1024 - before
     assert grown < 16, f"the proxy's peak memory grew by {grown:.0f} MiB on a 48 MiB (inflated) message"
     still_serves(hostile, channel)
+
+
+# ---------------------------------------------------------------------------------------------- HPACK
+
+
+def hpack_integer(value: int, prefix_bits: int, flags: int) -> bytes:
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes([flags | value])
+    out, value = bytearray([flags | limit]), value - limit
+    while value >= 128:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def hpack_literal(name: bytes, value: bytes, *, indexed: bool = False) -> bytes:
+    """A literal header field, "with incremental indexing" (it enters the decoder's table) or "without"."""
+    head = hpack_integer(0, 6, 0x40) if indexed else hpack_integer(0, 4, 0x00)
+    return head + hpack_integer(len(name), 7, 0) + name + hpack_integer(len(value), 7, 0) + value
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", stream_id) + payload
+
+
+def test_a_client_cannot_grow_the_proxys_header_table_past_the_negotiated_size(
+    hostile: Hostile, tmp_path: Path
+) -> None:
+    """BUG, fails today — proxy/hpack_codec.py ``HeaderDecoder._resize`` accepts any "dynamic table size
+    update" a client sends, up to 2^30 bytes, although RFC 7541 §6.3 makes one above the decoder's
+    SETTINGS_HEADER_TABLE_SIZE (Triton's: 4096) a decoding error. Each HEADERS block of a refused stream
+    (never forwarded, so Triton never objects) can then add a ~15 KiB entry to the proxy's table for good: here
+    4000 blocks grow the proxy by ~60 MiB, linearly, until the pod is OOM-killed.
+
+    Fix: in ``_resize``, refuse a size above the table size the upstream allowed (4096 unless Triton's SETTINGS
+    raised it) with HpackError, which ends the connection with COMPRESSION_ERROR."""
+    http_port, grpc_port = free_port(), free_port()
+    with open(tmp_path / "proxy.log", "wb") as log:
+        proxy = subprocess.Popen(hostile.proxy_command(http_port, grpc_port, tmp_path), stdout=log, stderr=log)
+    fields = b"".join(hpack_literal(n, v) for n, v in (
+        (b":method", b"POST"), (b":scheme", b"http"), (b":authority", b"x"), (b"content-type", b"application/grpc"),
+        (b":path", f"/{GRPC_SERVICE}/RepositoryIndex".encode()),  # denied: answered by the proxy itself
+    ))  # fmt: skip
+    try:
+        wait_port(grpc_port)
+        before = vm_kib(proxy.pid, "VmRSS") / 1024
+        with socket.create_connection(("127.0.0.1", grpc_port), timeout=10) as sock:
+            threading.Thread(target=_drain, args=(sock,), daemon=True).start()
+            sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, b""))
+            for i in range(4000):
+                block = (
+                    hpack_integer(1 << 30, 5, 0x20) + fields + hpack_literal(b"x-%d" % i, bytes(15000), indexed=True)
+                )
+                try:
+                    sock.sendall(frame(1, 0x5, 2 * i + 1, block))  # HEADERS, END_STREAM | END_HEADERS
+                except OSError:
+                    break  # the proxy ended the connection: what the fix does
+            time.sleep(1.0)
+            grown = vm_kib(proxy.pid, "VmRSS") / 1024 - before
+    finally:
+        proxy.kill()
+        proxy.wait()
+    assert grown < 16, f"4000 header blocks on refused streams grew the proxy by {grown:.0f} MiB"
+
+
+def _drain(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while sock.recv(65536):
+            pass
