@@ -74,8 +74,19 @@ def entries(node: Node) -> set[str]:
     }
 
 
-def start_triton(node: Node) -> TritonServer:
-    return TritonServer(repository=node.layout.repository, log_path=node.root / "triton.log").start()
+def start_triton(node: Node, *, attempts: int = 3) -> TritonServer:
+    """A Triton polling the node's repository. Started again (on new ports) if it dies while starting: the
+    Python backend on this kind of machine now and then aborts at model start-up with
+    ``boost::interprocess::lock_exception``, which is Triton's trouble, not the fault being measured."""
+    for attempt in range(1, attempts + 1):
+        server = TritonServer(repository=node.layout.repository, log_path=node.root / "triton.log")
+        try:
+            return server.start()
+        except RuntimeError:
+            if attempt == attempts:
+                raise
+            print(f"Triton died while starting (attempt {attempt} of {attempts}); starting it again", flush=True)
+    raise AssertionError("unreachable")
 
 
 def settle(client: TritonClient, name: str, *, timeout_s: float = 60.0) -> str:

@@ -36,11 +36,10 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from bench.faults.node import Node
+from bench.faults.node import Node, start_triton
 from tests.support.install import wait_model_ready
 from tests.support.models import IDENTITY_CONFIG, write_model
 from tests.support.proxy import ProxyProcess
-from tests.support.triton import TritonServer
 from tritonclient.grpc import service_pb2 as pb
 
 from tritonshare.proxy.policy import GRPC_SERVICE
@@ -232,7 +231,7 @@ def main() -> int:
         node = Node(Path(tmp)).create()
         config = IDENTITY_CONFIG.replace("count: 1", f"count: {args.instances}")
         write_model(node.layout.model_dir(MODEL), config=config, model_py=SLEEPY_MODEL.format(delay_s=args.delay_s))
-        triton = TritonServer(repository=node.layout.repository, log_path=node.root / "triton.log").start()
+        triton = start_triton(node)
         try:
             wait_model_ready(triton, MODEL, timeout_s=120)
             extra = ["--drain-timeout-s", str(args.drain_timeout_s), "--unload-timeout-s", "60"]

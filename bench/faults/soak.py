@@ -34,7 +34,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.faults.node import Node, vm_kib
+from bench.faults.node import Node, start_triton, vm_kib
 from tests.support.install import wait_model_ready
 from tests.support.proxy import ProxyProcess
 from tests.support.triton import REPO_ROOT, TritonServer
@@ -172,7 +172,7 @@ def main() -> int:
         lua, body = node.root / "infer.lua", node.root / "infer.grpc"
         shutil.copy(YARDSTICK / "infer.lua", lua)
         subprocess.run([sys.executable, str(YARDSTICK / "make_grpc_body.py"), MODEL, "16", str(body)], check=True)
-        triton = TritonServer(repository=node.layout.repository, log_path=node.root / "triton.log").start()
+        triton = start_triton(node)
         try:
             wait_model_ready(triton, MODEL, timeout_s=120)
             proxy = ProxyProcess(MODEL, triton, node.layout, node.root / "proxy.log", ["--no-unload"]).start()
