@@ -35,6 +35,11 @@ for _index, (_name, _value) in enumerate(STATIC_TABLE, start=1):
     _STATIC_NAMES.setdefault(_name, _index)
 
 DEFAULT_TABLE_SIZE = 4096  # SETTINGS_HEADER_TABLE_SIZE's initial value (RFC 7540 §6.5.2)
+# The largest dynamic table a client may ask for with a size update. RFC 7541 §6.3 bounds it by the decoder's
+# SETTINGS_HEADER_TABLE_SIZE, which the relay does not read from Triton's SETTINGS (grpc-core keeps 4096);
+# this ceiling bounds the memory a client can make the proxy hold per connection, for blocks Triton never
+# sees (refused streams).
+MAX_TABLE_SIZE = 64 * 1024
 _ENTRY_OVERHEAD = 32  # RFC 7541 §4.1
 _CACHE_LIMIT = 128
 _HUFFMAN_CACHE_LIMIT = 1024
@@ -167,6 +172,8 @@ class HeaderDecoder:
         self._evict()
 
     def _resize(self, size: int) -> None:
+        if size > MAX_TABLE_SIZE:
+            raise HpackError(f"dynamic table size update to {size} bytes exceeds the limit of {MAX_TABLE_SIZE}")
         self._max_size = size
         self._evict()
 

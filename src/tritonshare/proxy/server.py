@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import signal
 from collections.abc import Callable
 
@@ -38,11 +39,23 @@ logger = logging.getLogger(__name__)
 
 def run(settings: ProxySettings) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code."""
+    raise_open_files_limit()
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
         return asyncio.run(serve(settings))
     return uvloop.run(serve(settings))
+
+
+def raise_open_files_limit() -> None:
+    """Lift the soft limit on open files to the hard one (as nginx's worker_rlimit_nofile does): every
+    client connection also holds one to Triton, and containers often start with a soft limit of 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            logger.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
 
 
 async def serve(
