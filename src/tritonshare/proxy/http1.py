@@ -47,17 +47,21 @@ CANONICAL: dict[bytes, bytes] = {
     b"content-encoding": b"Content-Encoding",
     b"inference-header-content-length": b"Inference-Header-Content-Length",
     b"expect": b"Expect",
+    b"authorization": b"Authorization",
 }
 _INTERPRETED = frozenset(CANONICAL)
 
 REASONS: dict[int, str] = {
     400: "Bad Request",
+    401: "Unauthorized",
     403: "Forbidden",
     404: "Not Found",
     405: "Method Not Allowed",
+    408: "Request Timeout",
     413: "Content Too Large",
     415: "Unsupported Media Type",
     417: "Expectation Failed",
+    429: "Too Many Requests",
     431: "Request Header Fields Too Large",
     502: "Bad Gateway",
     503: "Service Unavailable",
@@ -89,6 +93,7 @@ class RequestHead:
     expect_continue: bool
     content_encoding: str  # "" when absent
     inference_header_length: int | None  # Inference-Header-Content-Length
+    authorization: bytes | None  # the Authorization value (bearer token check), None when absent
 
     @property
     def has_body(self) -> bool:
@@ -119,6 +124,7 @@ def parse_request_head(head: bytes, strip: frozenset[bytes] = frozenset()) -> Re
         expect_continue=_expect(single.get(b"expect")),
         content_encoding=single.get(b"content-encoding", b"").decode("latin-1"),
         inference_header_length=_header_length(single.get(b"inference-header-content-length")),
+        authorization=single.get(b"authorization"),
     )
 
 
@@ -246,6 +252,17 @@ def parse_response_head(head: bytes) -> ResponseHead:
     return ResponseHead(int(match[1]), match[1].decode(), None if chunked else length, chunked, close, has_connection)
 
 
+def whole_response(data: bytes, cache: dict[bytes, ResponseHead]) -> ResponseHead | None:
+    """The common case, read in one step: the head of ``data`` if ``data`` is exactly one whole final response
+    whose head was seen before (in ``cache``, which :class:`ResponseReader` fills) and which leaves the
+    connection open; else None (read it with a :class:`ResponseReader`)."""
+    raw, end, body = data.partition(b"\r\n\r\n")  # one argument, no tuple to parse: cheaper than find + slice
+    head = cache.get(raw) if end else None
+    if head is None or head.content_length != len(body) or head.status < 200 or head.close:
+        return None
+    return head
+
+
 class ResponseReader:
     """Follows one response from Triton to its end. Its bytes go to the client as they come, untouched, except
     that the head gets ``Connection: close`` when the proxy will close the client connection (``close``).
@@ -272,8 +289,6 @@ class ResponseReader:
         if self.head is not None:
             stop = self._body(data, 0)
             return data if stop == len(data) else data[:stop]
-        if not self._buf and self._whole(data):
-            return data
         if self._buf:
             data, self._buf = self._buf + data, b""
         out = b""
@@ -289,18 +304,6 @@ class ResponseReader:
                 break
             out, data = out + data[: end + 4], data[end + 4 :]  # 1xx: informational, a final head follows
         return out + self._final_head(head, data, end)
-
-    def _whole(self, data: bytes) -> bool:
-        """The common case, taken in one step: ``data`` is exactly one whole response, its head seen before."""
-        end = data.find(b"\r\n\r\n")
-        head = self._cache.get(data[:end]) if end > 0 else None
-        if head is None or head.content_length != len(data) - end - 4 or head.status < 200:
-            return False
-        if self.close or self._no_body:
-            return False
-        self.head = head
-        self.done = True
-        return True
 
     def _final_head(self, head: ResponseHead, data: bytes, end: int) -> bytes:
         self.head = head
@@ -354,13 +357,15 @@ def with_close(head: bytes) -> bytes:
     return b"\r\n".join(lines) + b"\r\nConnection: close"
 
 
-def error_response(status: int, message: str, *, close: bool = False) -> bytes:
-    """A v2-style ``{"error": "..."}`` answer from the proxy itself."""
+def error_response(status: int, message: str, *, close: bool = False, headers: bytes = b"") -> bytes:
+    """A v2-style ``{"error": "..."}`` answer from the proxy itself; ``headers`` are extra header lines
+    (each ending in CRLF)."""
     body = json.dumps({"error": message}).encode()
-    return b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s" % (
+    return b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s%s\r\n%s" % (
         status,
         REASONS.get(status, "Error").encode(),
         len(body),
+        headers,
         b"Connection: close\r\n" if close else b"",
         body,
     )

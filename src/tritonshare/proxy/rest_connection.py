@@ -1,0 +1,505 @@
+"""One client connection of the REST front end (:mod:`tritonshare.proxy.rest`): its requests read, judged,
+answered here or forwarded over its :class:`~tritonshare.proxy.rest_upstream.Upstream`, one at a time.
+
+Each request is an :class:`Exchange`, from its head to the end of its response. In order, after the head is
+judged: draining (503), the bearer token when authentication is on (401 with ``WWW-Authenticate``; probes
+are open; checked per request and never memoised, so a changed token file counts at once), the policy
+verdict, then admission control for inference routes when it is on: the request takes a slot of the model's
+:class:`~tritonshare.proxy.admission.Admission` or is parked until one comes (client reading paused, the bytes
+that came after its head kept) and refused with 429 + ``Retry-After`` if the wait fails. A slot is given back
+exactly once (:meth:`ClientConnection._settle`): at the end of the response, when Triton fails, when the
+request is refused after admission (its body fails the check), or when the client goes.
+
+Bytes of a next (pipelined) request wait until the response is complete. A request head must be complete
+within the front end's ``header_timeout_s`` of its first byte (else 408 and close: slowloris); a keep-alive
+connection idle for ``idle_timeout_s`` is closed (:meth:`ClientConnection.expire`, called every second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import re
+from typing import TYPE_CHECKING, cast
+
+from tritonshare.proxy import admission, auth
+from tritonshare.proxy.http1 import CONTINUE, HttpError, ResponseHead, error_response
+from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_plain_body, might_name_shm
+from tritonshare.proxy.policy import REST_SERVER_ROUTES
+from tritonshare.proxy.rest_upstream import CONNECTING, PROTOCOL, Upstream
+
+if TYPE_CHECKING:
+    from tritonshare.proxy.rest import Judged, RestFrontend
+
+logger = logging.getLogger(__name__)
+
+LINGER_S = 2.0  # after the proxy closes a connection, how long it still reads (and drops) what the client sends
+WHOLE_BODY_BYTES = 64 * 1024  # a body that came with its head is sent with it in one write, up to this
+READY_ROUTE = REST_SERVER_ROUTES["/v2/health/ready"].route  # not ready from the moment draining begins
+_EMPTY_LINES = re.compile(rb"(?:\r\n)*")
+
+# Why client reading is paused (bits; CONNECTING = 1 and UPSTREAM_FULL = 2 come from rest_upstream): a pipelined
+# request waiting for the current response, a request waiting for an admission slot.
+_BACKLOG, _ADMISSION = 4, 8
+
+_REFUSAL_REASONS = {400: "bad_request", 403: "denied", 404: "not_found", 405: "method"}
+_UNAVAILABLE = "the inference server is unavailable; retry later"
+_CHALLENGE = b"WWW-Authenticate: " + auth.WWW_AUTHENTICATE + b"\r\n"
+
+
+class Exchange:
+    """One request on a client connection, from its head to the end of its response."""
+
+    __slots__ = (
+        "judged",
+        "route",
+        "body",
+        "forwarded",
+        "started",
+        "request_done",
+        "response_done",
+        "holding",
+        "ticket",
+    )
+
+    def __init__(self, judged: Judged) -> None:
+        self.judged = judged
+        self.route = judged.route
+        self.body: RequestBody | None = None  # a body still to read
+        self.forwarded = False  # sent to Triton (counted in flight from then on)
+        self.started = 0.0
+        self.request_done = False
+        self.response_done = False
+        self.holding = False  # holds an admission slot
+        self.ticket: admission.Ticket | None = None  # waiting for an admission slot
+
+
+class ClientConnection(asyncio.Protocol):
+    def __init__(self, frontend: RestFrontend) -> None:
+        self.fe = frontend
+        self.state = frontend.state
+        self.heads = frontend.heads
+        self.upstream: Upstream | None = None  # its connection to Triton, from the first forwarded request
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""  # client bytes not yet acted on
+        self.exchange: Exchange | None = None
+        self.close_after = False  # close once the current exchange ends
+        self.drain_grace = False  # the request in progress when draining began may still complete
+        self.closing = False
+        self.paused = 0
+        self.linger: asyncio.TimerHandle | None = None
+        self.served = 0  # exchanges completed (the timeout sweep's sign of progress)
+        self.seen = 0  # ``served`` at the last sweep that saw progress
+        self.idle_since = 0.0
+        self.head_since: float | None = None  # the first sweep that saw an incomplete head
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        self.fe.connections.add(self)
+        self.idle_since = asyncio.get_running_loop().time()
+
+    def data_received(self, data: bytes) -> None:
+        if self.exchange is None and not self.buf and not self.closing:
+            # The common case: a whole request in one read, its head judged before (the memo) as needing no
+            # more than a look for the shared-memory marker in its body; one write to Triton.
+            head, end, rest = data.partition(b"\r\n\r\n")
+            judged = self.heads.get(head) if end else None
+            if (
+                judged is not None
+                and judged.quick
+                and len(rest) == judged.length
+                and not self.state.draining
+                and not (judged.inspect and might_name_shm(rest))
+            ):
+                ex = self.exchange = Exchange(judged)
+                ex.request_done = ex.forwarded = True
+                self.drain_grace = False
+                ex.started = self.state.begin(PROTOCOL)
+                upstream = self.upstream if self.upstream is not None else self._upstream()
+                upstream.request(judged.upstream + rest if rest else judged.upstream)
+                return
+        if self.buf:
+            data, self.buf = self.buf + data, b""
+        self._consume(data)
+
+    def eof_received(self) -> bool:
+        ex = self.exchange
+        if ex is None or not ex.request_done or self.closing:
+            return False
+        self.close_after = True  # a client that half-closed after its request still gets the response
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closing = True
+        self.transport = None
+        self.fe.connections.discard(self)
+        if self.linger is not None:
+            self.linger.cancel()
+        ex, self.exchange = self.exchange, None
+        if ex is not None:
+            if ex.ticket is not None:
+                ex.ticket.cancel()  # it was waiting for a slot
+                ex.ticket = None
+            if ex.forwarded and not ex.response_done:
+                self.state.end(PROTOCOL, ex.route, "499", ex.started)  # the client went away first
+            self._settle(ex)
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            self.fe.pool.give(upstream)  # kept for another client if it is idle, else closed
+
+    def pause_writing(self) -> None:
+        if self.upstream is not None:
+            self.upstream.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.upstream is not None:
+            self.upstream.resume_reading()
+
+    def drain(self) -> None:
+        """Draining: an idle connection closes now; a busy one after its current response."""
+        if self.exchange is None and not self.buf:
+            self._shutdown()
+        else:
+            self.close_after = self.drain_grace = True
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def expire(self, now: float) -> None:
+        """The timeout sweep: close a connection whose head is incomplete for too long, or that is idle."""
+        if self.closing:
+            return
+        if self.exchange is not None or self.served != self.seen:
+            self.seen, self.idle_since, self.head_since = self.served, now, None
+        elif self.buf:
+            if self.head_since is None:
+                self.head_since = now
+            elif now - self.head_since >= self.fe.header_timeout_s:
+                self.state.refuse(PROTOCOL, "malformed", "408", "header_timeout")
+                message = f"the request head was not complete within {self.fe.header_timeout_s:g} s"
+                self._write(error_response(408, message, close=True))
+                self._shutdown()
+        elif now - self.idle_since >= self.fe.idle_timeout_s:
+            self._shutdown()
+
+    # ------------------------------------------------------------------------------------ requests
+
+    def _consume(self, data: bytes) -> None:
+        while data and not self.closing:
+            ex = self.exchange
+            if ex is None:
+                data = self._read_head(data)
+            elif ex.request_done:  # a pipelined request: it waits for the current response
+                self.buf = data
+                if len(data) > self.fe.max_header_bytes:
+                    self.pause(_BACKLOG)
+                return
+            elif ex.ticket is not None:  # its request waits for a slot (reading is paused meanwhile)
+                self.buf = data
+                return
+            else:
+                data = self._read_body(ex, data)
+
+    def _read_head(self, data: bytes) -> bytes:
+        if data[:2] == b"\r\n":  # empty lines before a request line are ignored (RFC 9112 §2.2)
+            lines = _EMPTY_LINES.match(data)
+            return data[lines.end() :] if lines is not None else data
+        raw, found, rest = data.partition(b"\r\n\r\n")
+        limit = self.fe.max_header_bytes
+        if found and len(raw) <= limit:
+            try:
+                judged = self.fe.judge(raw)
+            except HttpError as exc:
+                self._fail(exc)
+                return b""
+            return self._start(judged, rest)
+        if found or len(data) > limit:
+            self._fail(HttpError(431, f"request head larger than {limit} bytes", "too_large"))
+        else:
+            self.buf = data
+        return b""
+
+    def _start(self, judged: Judged, rest: bytes) -> bytes:
+        ex = self.exchange = Exchange(judged)
+        tokens = self.state.auth
+        if self.state.draining and (not self.drain_grace or judged.route == READY_ROUTE):
+            self._refuse(ex, 503, "the proxy is shutting down; retry on another replica", "draining", close=True)
+        elif tokens is not None and not judged.open and not tokens.check_http(judged.head.authorization):
+            self._refuse(ex, auth.HTTP_STATUS, auth.MESSAGE, "unauthenticated", headers=_CHALLENGE)
+        elif judged.decision.status:
+            status = judged.decision.status
+            self._refuse(ex, status, judged.decision.message, _REFUSAL_REASONS.get(status, "denied"))
+        else:
+            self.drain_grace = False
+            if not judged.head.keep_alive:
+                self.close_after = True
+            if judged.limited and self.state.admission.active and not self._admit(ex, rest):
+                return b""
+            return self._forward(ex, rest)
+        return rest
+
+    def _admit(self, ex: Exchange, rest: bytes) -> bool:
+        """Take an admission slot (True), or park the request until :meth:`_admitted`: client reading paused,
+        the bytes that came after the head kept."""
+        gate = self.state.admission
+        if gate.try_acquire():
+            ex.holding = True
+            return True
+        self.buf = rest
+        self.pause(_ADMISSION)
+        ex.ticket = gate.enqueue(functools.partial(self._admitted, ex))
+        return False
+
+    def _admitted(self, ex: Exchange, refusal: admission.Refusal | None) -> None:
+        """Admission's answer for a parked request: forward it now, or refuse it (429)."""
+        ex.ticket = None
+        if ex is not self.exchange or self.closing:  # not expected: a client that goes cancels its ticket
+            if refusal is None:
+                self.state.admission.release()
+            return
+        data, self.buf = self.buf, b""
+        self.unpause(_ADMISSION)
+        if refusal is not None:
+            retry = b"Retry-After: %d\r\n" % refusal.retry_after_s
+            self._refuse(ex, admission.HTTP_STATUS, refusal.message, refusal.reason, headers=retry)
+        else:
+            ex.holding = True
+            data = self._forward(ex, data)
+        self._consume(data)
+
+    def _forward(self, ex: Exchange, rest: bytes) -> bytes:
+        judged = ex.judged
+        if judged.whole and len(rest) >= judged.length:
+            return self._forward_whole(ex, rest)
+        return self._forward_streamed(ex, rest)
+
+    def _forward_whole(self, ex: Exchange, rest: bytes) -> bytes:
+        """The whole plain body came with its head. Check it; head and body in one write."""
+        judged = ex.judged
+        size = judged.length
+        body = rest if len(rest) == size else rest[:size]
+        if judged.inspect:
+            try:
+                check_plain_body(body, judged.json_length, self.fe.rules.max_json_bytes)
+            except BodyRefused as exc:
+                self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
+                return rest  # the body is read and dropped
+        ex.request_done = True
+        if size <= WHOLE_BODY_BYTES:
+            self._begin(ex, judged.upstream + body if size else judged.upstream)
+        else:
+            self._begin(ex, judged.upstream)
+            self._upstream().write(body)
+        return rest[size:] if len(rest) > size else b""
+
+    def _forward_streamed(self, ex: Exchange, rest: bytes) -> bytes:
+        """A body still to come (or chunked, or encoded): hold it for the check if needed, else stream it."""
+        judged, head = ex.judged, ex.judged.head
+        self._upstream()  # connect while the body arrives
+        check = None
+        if judged.inspect and judged.json_length != 0:
+            try:
+                check = InferBodyCheck(
+                    encoding=head.content_encoding,
+                    json_length=judged.json_length,
+                    max_json_bytes=self.fe.rules.max_json_bytes,
+                )
+            except BodyRefused as exc:
+                self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
+                return rest
+        ex.body = RequestBody(judged.length, head.chunked, check)
+        if head.expect_continue:
+            self._write(CONTINUE)
+        if check is None:
+            self._begin(ex, judged.upstream)
+        if not head.has_body:
+            self._request_done(ex)
+        return rest
+
+    def _read_body(self, ex: Exchange, data: bytes) -> bytes:
+        body = ex.body
+        assert body is not None
+        was_ready = body.ready
+        try:
+            end = body.feed(data)
+        except HttpError as exc:
+            self._fail(exc)
+            return b""
+        refusal = body.refusal
+        if refusal is not None and not ex.response_done:
+            self._refuse(ex, refusal.status, refusal.message, refusal.reason, close=refusal.status == 413)
+        elif body.ready and not was_ready:
+            self._begin(ex, ex.judged.upstream)  # the check passed: the head, then what was held
+        for piece in body.take():
+            self._upstream().write(piece)
+        if end < 0 or self.closing:
+            return b""
+        self._request_done(ex)
+        return data[end:] if end < len(data) else b""
+
+    def _begin(self, ex: Exchange, data: bytes) -> None:
+        """Forward: the request is in flight from here on."""
+        ex.forwarded = True
+        ex.started = self.state.begin(PROTOCOL)
+        self._upstream().request(data)
+
+    def _request_done(self, ex: Exchange) -> None:
+        ex.request_done = True
+        if ex.response_done:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Both the request and its response are complete: on to the next request, if any."""
+        self.exchange = None
+        self.served += 1
+        if self.close_after:
+            self._shutdown()
+            return
+        if self.paused & _BACKLOG:
+            self.unpause(_BACKLOG)
+        if self.buf and not self.paused:
+            data, self.buf = self.buf, b""
+            self._consume(data)
+
+    def _settle(self, ex: Exchange) -> None:
+        """The exchange has its answer (or never will): its admission slot, if any, goes back."""
+        ex.response_done = True
+        if ex.holding:
+            ex.holding = False
+            self.state.admission.release()
+
+    # ------------------------------------------------------------------------------------ answers
+
+    def _refuse(
+        self, ex: Exchange, status: int, message: str, reason: str, *, close: bool = False, headers: bytes = b""
+    ) -> None:
+        """Answer a request here; the rest of its body is read and dropped (or the connection closes)."""
+        self.state.refuse(PROTOCOL, ex.route, str(status), reason)
+        head = ex.judged.head
+        logger.debug("refused %s %s with %d: %s", head.method, head.target, status, message)
+        self._settle(ex)
+        # After "Expect: 100-continue" the client may or may not send the body: only closing is unambiguous.
+        close = close or self.close_after or not head.keep_alive or (head.expect_continue and head.has_body)
+        self._write(error_response(status, message, close=close, headers=headers))
+        if close:
+            self._shutdown()
+        elif ex.body is not None:
+            ex.body.drop()
+        elif head.has_body:
+            ex.body = RequestBody(ex.judged.length, head.chunked).drop()
+        else:
+            self._request_done(ex)
+
+    def _fail(self, exc: HttpError) -> None:
+        """A request that cannot be read further (malformed head or chunked body): answer and close."""
+        ex = self.exchange
+        logger.debug("malformed request: %s", exc.message)
+        if ex is not None and ex.response_done:  # already answered (a refused request's body is malformed)
+            self._shutdown()
+            return
+        if ex is None or not ex.forwarded:
+            self.state.refuse(PROTOCOL, ex.route if ex is not None else "malformed", str(exc.status), exc.reason)
+        else:  # Triton got part of it: that connection goes (see _shutdown)
+            self.state.end(PROTOCOL, ex.route, str(exc.status), ex.started)
+            if self.upstream is not None and self.upstream.answered:  # Triton answered: nothing more to say
+                self._settle(ex)
+                self._shutdown()
+                return
+        if ex is not None:
+            self._settle(ex)
+        self._write(error_response(exc.status, exc.message, close=True))
+        self._shutdown()
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+
+    def _shutdown(self) -> None:
+        """Close from the proxy's side: flush, send FIN, keep reading (and dropping) for a moment so the
+        client sees the answer rather than a reset, then close. TLS has no half-close: the transport closes
+        at once (after its buffered bytes, with TLS close_notify)."""
+        if self.closing or self.transport is None:
+            return
+        self.closing = True
+        self.buf = b""
+        ex = self.exchange
+        if ex is not None and ex.forwarded and not ex.request_done:
+            self._drop_upstream()  # Triton holds part of a request that will never end
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        if self.paused:
+            self.paused = 0
+            self.transport.resume_reading()
+        self.linger = asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+
+    def pause(self, reason: int) -> None:
+        if not self.paused and self.transport is not None and not self.closing:
+            self.transport.pause_reading()
+        self.paused |= reason
+
+    def unpause(self, reason: int) -> None:
+        if not self.paused & reason:
+            return
+        self.paused &= ~reason
+        if not self.paused and self.transport is not None and not self.closing:
+            self.transport.resume_reading()
+
+    # ------------------------------------------------------------------------------------ Triton side
+
+    def _upstream(self) -> Upstream:
+        upstream = self.upstream
+        if upstream is None:
+            upstream = self.upstream = self.fe.pool.attach(self)
+            if upstream.transport is None:
+                self.pause(CONNECTING)
+        return upstream
+
+    def _drop_upstream(self) -> None:
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            upstream.close()
+
+    def upstream_lost(self, upstream: Upstream) -> None:
+        if upstream is self.upstream:
+            self.upstream = None
+
+    def response_done(self, head: ResponseHead, *, extra: bool) -> None:
+        ex = self.exchange
+        if ex is None:
+            return
+        self._settle(ex)
+        self.state.end(PROTOCOL, ex.route, head.code, ex.started)
+        if head.close or extra or not ex.request_done:
+            self._drop_upstream()
+        if not ex.request_done:  # Triton answered before the body ended: the rest cannot follow
+            self._shutdown()
+        else:
+            self._finish()
+
+    def response_failed(self, *, answered: bool) -> None:
+        ex = self.exchange
+        if ex is None:
+            return
+        self._settle(ex)
+        self.state.end(PROTOCOL, ex.route, "502", ex.started)
+        if not answered:
+            self._write(error_response(502, "the inference server closed the connection; retry", close=True))
+        self._shutdown()
+
+    def unavailable(self) -> None:
+        """Triton cannot be reached: 503 for the request waiting on it."""
+        ex = self.exchange
+        if ex is None or ex.response_done or self.closing:
+            self.unpause(CONNECTING)  # nothing waits on Triton now
+            return
+        if ex.forwarded:
+            self.state.end(PROTOCOL, ex.route, "503", ex.started)
+        else:
+            self.state.refuse(PROTOCOL, ex.route, "503", "upstream")
+        self._settle(ex)
+        self._write(error_response(503, _UNAVAILABLE, close=True))
+        self._shutdown()
