@@ -16,6 +16,7 @@ from tritonshare.proxy.http1 import (
     parse_request_head,
     parse_response_head,
     upstream_head,
+    whole_response,
 )
 
 
@@ -61,6 +62,7 @@ def test_a_plain_request_head_is_read() -> None:
         (["POST /v2 HTTP/1.0", "Transfer-Encoding: chunked"], 400, "only chunked"),
         (["POST /v2 HTTP/1.1", "Transfer-Encoding: chunked", "Transfer-Encoding: chunked"], 400, "more than once"),
         (["GET /v2 HTTP/1.1", "Host: a", "Host: b"], 400, "more than once"),
+        (["GET /v2 HTTP/1.1", "Authorization: Bearer a", "authorization: Bearer b"], 400, "more than once"),
         (["POST /v2 HTTP/1.1", "Content-Encoding: gzip", "Content-Encoding: identity"], 400, "more than once"),
         (
             ["POST /v2 HTTP/1.1", "Inference-Header-Content-Length: 1", "inference-header-content-length: 2"],
@@ -218,3 +220,32 @@ def test_response_reader_sees_a_truncated_response() -> None:
     reader = ResponseReader({})
     reader.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
     assert not reader.eof()
+
+
+def test_the_authorization_value_is_read_and_forwarded_unless_stripped() -> None:
+    lines = ("GET /v2 HTTP/1.1", "Host: h", "authorization: Bearer t0ken")
+    head = parse_request_head(_head(*lines))
+    assert head.authorization == b"Bearer t0ken" and head.fields == b"Host: h\r\nAuthorization: Bearer t0ken\r\n"
+    stripped = parse_request_head(_head(*lines), strip=frozenset({b"authorization"}))
+    assert stripped.authorization == b"Bearer t0ken" and stripped.fields == b"Host: h\r\n"
+    assert parse_request_head(_head("GET /v2 HTTP/1.1")).authorization is None
+
+
+def test_whole_response_takes_only_a_complete_known_response() -> None:
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 5"
+    cache = {head: parse_response_head(head)}
+    assert whole_response(head + b"\r\n\r\nabcde", cache) is cache[head]
+    assert whole_response(head + b"\r\n\r\nabc", cache) is None  # more body to come
+    assert whole_response(head + b"\r\n\r\nabcdeHTTP", cache) is None  # bytes past the response
+    assert whole_response(head, cache) is None  # the head is not complete yet, even though it is known
+    assert whole_response(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nx", cache) is None  # not seen before
+    closing = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1"
+    cache[closing] = parse_response_head(closing)
+    assert whole_response(closing + b"\r\n\r\nx", cache) is None  # Triton closes after it: the slow path
+
+
+def test_error_response_carries_extra_headers() -> None:
+    raw = error_response(429, "slow down", headers=b"Retry-After: 1\r\n")
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 429 Too Many Requests\r\n") and b"\r\nRetry-After: 1" in head
+    assert json.loads(body) == {"error": "slow down"}

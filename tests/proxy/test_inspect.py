@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tritonshare.proxy.http1 import ChunkedReader
-from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_json
+from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_json, might_name_shm
 
 CLEAN: dict[str, Any] = {
     "id": "shared_memory_region",  # the words as a value are fine: only keys are parameters
@@ -36,6 +36,13 @@ def _refused(call: Any, *args: Any, **kwargs: Any) -> BodyRefused:
 
 def test_clean_json_passes() -> None:
     check_json(json.dumps(CLEAN).encode())
+
+
+def test_the_quick_look_lets_through_only_json_that_cannot_name_a_parameter() -> None:
+    assert not might_name_shm(b'{"inputs": [{"name": "INPUT0", "data": [1, 2]}]}')
+    assert might_name_shm(json.dumps(CLEAN).encode())  # the words as a value: the full check decides
+    assert might_name_shm(b'{"parameters": {"shared\\u005fmemory_region": "r"}}')  # any escape counts
+    assert might_name_shm(b'{"a": "\\u00e9"}')
 
 
 @pytest.mark.parametrize("where", ["request", "input", "output"])

@@ -527,8 +527,9 @@ def _crash(server: TritonServer) -> None:
 class LocalRest:
     """The REST front end alone, in this process, on a uvloop loop in a thread, to reach its state."""
 
-    def __init__(self, settings: ProxySettings) -> None:
+    def __init__(self, settings: ProxySettings, **frontend: float) -> None:
         self.settings = settings
+        self.frontend_options = frontend
         self.loop = uvloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -545,7 +546,7 @@ class LocalRest:
 
     async def _start(self) -> tuple[ProxyState, RestFrontend]:
         state = ProxyState(self.settings)
-        frontend = RestFrontend(state)
+        frontend = RestFrontend(state, **self.frontend_options)
         await frontend.start()
         return state, frontend
 
@@ -607,6 +608,24 @@ def test_new_request_while_draining_gets_503_and_close(local: LocalRest, own: st
         status, headers, body = conn.send(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n").response()
         assert status == 503 and headers["connection"] == "close" and "shutting down" in error_of(body)
         assert conn.closed_by_peer()
+
+
+def test_a_head_not_complete_in_time_gets_408_and_an_idle_connection_is_closed(
+    triton: TritonServer, served_models: ServedModels
+) -> None:
+    settings = ProxySettings(name=served_models.own, triton_url=triton.url, host="127.0.0.1", http_port=0)
+    with LocalRest(settings, header_timeout_s=1.0, idle_timeout_s=2.0) as local:
+        with Raw(local.port) as slow, Raw(local.port) as idle, Raw(local.port) as busy:
+            started = time.monotonic()
+            slow.send(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            assert idle.send(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n").response()[0] == 200
+            for _ in range(8):  # a connection in use is neither
+                time.sleep(0.4)
+                assert busy.send(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n").response()[0] == 200
+            status, headers, body = slow.response()
+            assert status == 408 and headers["connection"] == "close" and "not complete within 1 s" in error_of(body)
+            assert slow.closed_by_peer() and idle.closed_by_peer()
+            assert time.monotonic() - started < 6
 
 
 def test_a_port_in_use_is_a_usage_error(proxy: ProxyProcess, own: str) -> None:

@@ -8,7 +8,9 @@ verdict, then admission control for inference routes when it is on: the request 
 :class:`~tritonshare.proxy.admission.Admission` or is parked until one comes (client reading paused, the bytes
 that came after its head kept) and refused with 429 + ``Retry-After`` if the wait fails. A slot is given back
 exactly once (:meth:`ClientConnection._settle`): at the end of the response, when Triton fails, when the
-request is refused after admission (its body fails the check), or when the client goes.
+request is refused after admission (its body fails the check), or when the client goes — but a request that
+Triton got whole keeps its slot until Triton has answered it (the response is read and dropped), so clients
+that give up and retry cannot push more than the cap into Triton.
 
 Bytes of a next (pipelined) request wait until the response is complete. A request head must be complete
 within the front end's ``header_timeout_s`` of its first byte (else 408 and close: slowloris); a keep-alive
@@ -137,14 +139,18 @@ class ClientConnection(asyncio.Protocol):
         if self.linger is not None:
             self.linger.cancel()
         ex, self.exchange = self.exchange, None
+        upstream, self.upstream = self.upstream, None
         if ex is not None:
             if ex.ticket is not None:
                 ex.ticket.cancel()  # it was waiting for a slot
                 ex.ticket = None
             if ex.forwarded and not ex.response_done:
                 self.state.end(PROTOCOL, ex.route, "499", ex.started)  # the client went away first
+                if ex.holding and ex.request_done and upstream is not None:
+                    # Triton computes it all the same: the slot stays taken until Triton has answered.
+                    upstream.orphan(self.state.admission.release)
+                    return
             self._settle(ex)
-        upstream, self.upstream = self.upstream, None
         if upstream is not None:
             self.fe.pool.give(upstream)  # kept for another client if it is idle, else closed
 
@@ -196,8 +202,10 @@ class ClientConnection(asyncio.Protocol):
                 if len(data) > self.fe.max_header_bytes:
                     self.pause(_BACKLOG)
                 return
-            elif ex.ticket is not None:  # its request waits for a slot (reading is paused meanwhile)
+            elif ex.ticket is not None:  # its request waits for a slot: keep what comes, up to a bound
                 self.buf = data
+                if len(data) > self.fe.max_header_bytes:
+                    self.pause(_ADMISSION)
                 return
             else:
                 data = self._read_body(ex, data)
@@ -241,14 +249,16 @@ class ClientConnection(asyncio.Protocol):
         return rest
 
     def _admit(self, ex: Exchange, rest: bytes) -> bool:
-        """Take an admission slot (True), or park the request until :meth:`_admitted`: client reading paused,
-        the bytes that came after the head kept."""
+        """Take an admission slot (True), or park the request until :meth:`_admitted`: what comes meanwhile is
+        kept, up to ``max_header_bytes``, then client reading pauses. Reading goes on below that so that a
+        client that leaves is seen (a paused transport does not report the close) and gives up its place."""
         gate = self.state.admission
         if gate.try_acquire():
             ex.holding = True
             return True
         self.buf = rest
-        self.pause(_ADMISSION)
+        if len(rest) > self.fe.max_header_bytes:
+            self.pause(_ADMISSION)
         ex.ticket = gate.enqueue(functools.partial(self._admitted, ex))
         return False
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Protocol, cast
 
 from tritonshare.proxy.http1 import HttpError, ResponseHead, ResponseReader, whole_response
@@ -105,6 +106,12 @@ class Upstream(asyncio.Protocol):
             self.reading_paused = False
             self.transport.resume_reading()
 
+    def orphan(self, on_done: Callable[[], object]) -> None:
+        """The owner left while Triton computes the request: read the response to its end and drop it, then
+        run ``on_done`` and go back to the pool."""
+        self.owner = Orphan(self, on_done)
+        self.resume_reading()
+
     def close(self) -> None:
         """Close it (it holds part of a request, or cannot be reused); its owner hears nothing more."""
         self.owner = None
@@ -191,6 +198,44 @@ class Upstream(asyncio.Protocol):
         self.close()
         owner.upstream_lost(self)
         owner.response_failed(answered=reader.head is not None)
+
+
+class Orphan:
+    """The owner of a response whose client has left (see :meth:`Upstream.orphan`)."""
+
+    transport: asyncio.Transport | None = None  # the response's bytes go nowhere
+    close_after = False
+
+    def __init__(self, upstream: Upstream, on_done: Callable[[], object]) -> None:
+        self.upstream = upstream
+        self.on_done: Callable[[], object] | None = on_done
+
+    def pause(self, reason: int) -> None:
+        pass
+
+    def unpause(self, reason: int) -> None:
+        pass
+
+    def response_done(self, head: ResponseHead, *, extra: bool) -> None:
+        self._done()
+        if head.close or extra:
+            self.upstream.close()
+        else:
+            self.upstream.pool.give(self.upstream)
+
+    def response_failed(self, *, answered: bool) -> None:
+        self._done()
+
+    def unavailable(self) -> None:
+        self._done()
+
+    def upstream_lost(self, upstream: Upstream) -> None:
+        pass
+
+    def _done(self) -> None:
+        on_done, self.on_done = self.on_done, None
+        if on_done is not None:
+            on_done()
 
 
 class UpstreamPool:

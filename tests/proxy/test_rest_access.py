@@ -1,0 +1,455 @@
+"""Fairness and access control at the REST port (issue 9), against the real Triton: ``--max-inflight`` holds
+exactly (a model that records when each request ran shows how many ran at once), waiting requests run in
+arrival order, a full queue, a wait past ``--queue-timeout-s`` and the rate limit are 429 with Retry-After,
+and a slot always comes back (refused body, client gone while waiting, client gone while Triton computes);
+bearer tokens (tritonclient and curl; probes open; a changed token file counts without a restart); TLS
+(tritonclient and curl with a CA, ALPN, a rotated certificate seen by new connections without a restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import ssl
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.proxy.conftest import ServedModels
+from tests.support.certs import CertificateAuthority, serial_of, write_atomically
+from tests.support.install import install_model
+from tests.support.models import SLOW_CONFIG
+from tests.support.proxy import ProxyProcess
+from tests.support.triton import TritonServer
+from tritonshare.common.layout import NodeLayout
+from tritonshare.proxy.rest import RestFrontend
+from tritonshare.proxy.settings import ProxySettings
+from tritonshare.proxy.state import ProxyState
+
+pytestmark = pytest.mark.triton
+
+# Identity, 4 instances, ``DELAY_S`` per request; appends "start end value" for each request to ``LOG``.
+RECORDING_MODEL = """\
+import time
+
+import triton_python_backend_utils as pb_utils
+
+LOG = {log!r}
+DELAY_S = {delay_s!r}
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            started = time.time()
+            x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            time.sleep(DELAY_S)
+            with open(LOG, "a") as fh:
+                fh.write(f"{{started!r}} {{time.time()!r}} {{float(x[0])!r}}\\n")
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+        return out
+"""
+
+
+@dataclass(frozen=True)
+class Run:
+    start: float
+    end: float
+    value: float
+
+
+@dataclass(frozen=True)
+class RecordingModel:
+    name: str
+    log: Path
+
+    def runs(self) -> list[Run]:
+        """The requests Triton executed, in the order they finished."""
+        if not self.log.exists():
+            return []
+        return [Run(*map(float, line.split())) for line in self.log.read_text().splitlines()]
+
+    def reset(self) -> None:
+        self.log.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def recording_model(
+    triton: TritonServer, layout: NodeLayout, tmp_path: Path, model_name: str
+) -> Callable[[float], RecordingModel]:
+    def install(delay_s: float) -> RecordingModel:
+        model = RecordingModel(model_name, tmp_path / "runs.log")
+        install_model(
+            layout,
+            triton,
+            model_name,
+            config=SLOW_CONFIG,
+            model_py=RECORDING_MODEL.format(log=str(model.log), delay_s=delay_s),
+        )
+        return model
+
+    return install
+
+
+def most_at_once(runs: list[Run]) -> int:
+    """The largest number of requests executing at the same moment."""
+    events = sorted([(r.start, 1) for r in runs] + [(r.end, -1) for r in runs])  # an end sorts before a start
+    now = peak = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    return peak
+
+
+def infer_body(value: float) -> bytes:
+    doc = {"inputs": [{"name": "INPUT0", "shape": [1], "datatype": "FP32", "data": [value]}]}
+    return json.dumps(doc).encode()
+
+
+def infer(port: int, model: str, value: float, **headers: str) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", f"/v2/models/{model}/infer", body=infer_body(value), headers=headers)
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+def get(port: int, path: str, **headers: str) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", path, headers=headers)
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+def at_once(count: int, call: Callable[[int], Any]) -> list[Any]:
+    """``call(i)`` for i in range(count), all released at the same moment from their own threads."""
+    barrier = threading.Barrier(count)
+
+    def run(i: int) -> Any:
+        barrier.wait()
+        return call(i)
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(run, range(count)))
+
+
+def staggered(count: int, gap_s: float, call: Callable[[int], Any]) -> list[Any]:
+    """``call(i)`` for i in range(count), each started ``gap_s`` after the previous one, in its own thread."""
+    with ThreadPoolExecutor(count) as pool:
+        futures = []
+        for i in range(count):
+            futures.append(pool.submit(call, i))
+            time.sleep(gap_s)
+        return [f.result() for f in futures]
+
+
+def metric(proxy: ProxyProcess, prefix: str) -> float:
+    """The value of the one exported series starting with ``prefix`` (name and labels)."""
+    _, _, text = get(proxy.metrics_port, "/metrics")
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.decode().splitlines() if line.startswith(prefix)]
+    assert len(values) == 1, f"{prefix}: {values}"
+    return values[0]
+
+
+# ---------------------------------------------------------------------------------------------- admission
+
+
+def test_max_inflight_holds_exactly_at_triton(
+    triton: TritonServer, start_proxy: Callable[..., ProxyProcess], recording_model: Callable[[float], RecordingModel]
+) -> None:
+    model = recording_model(0.4)
+    direct = at_once(8, lambda i: infer(triton.http_port, model.name, i)[0])
+    assert direct == [200] * 8
+    assert most_at_once(model.runs()) > 2, "the model must be able to run more than the cap at once"
+    model.reset()
+    proxy = start_proxy(model.name, "--no-unload", "--max-inflight", "2")
+    statuses = at_once(12, lambda i: infer(proxy.http_port, model.name, i)[0])
+    assert statuses == [200] * 12
+    runs = model.runs()
+    assert len(runs) == 12 and most_at_once(runs) == 2
+    assert metric(proxy, "tritonshare_proxy_admission_inflight{") == 0.0
+    assert metric(proxy, "tritonshare_proxy_admission_queued_total{") >= 10  # 12 at once, 2 slots
+
+
+def test_waiting_requests_run_in_arrival_order(
+    start_proxy: Callable[..., ProxyProcess], recording_model: Callable[[float], RecordingModel]
+) -> None:
+    model = recording_model(0.3)
+    proxy = start_proxy(model.name, "--no-unload", "--max-inflight", "1")
+    statuses = staggered(6, 0.1, lambda i: infer(proxy.http_port, model.name, i)[0])
+    assert statuses == [200] * 6
+    runs = model.runs()
+    assert [r.value for r in runs] == [0, 1, 2, 3, 4, 5]
+    assert most_at_once(runs) == 1
+
+
+def test_a_full_queue_is_429_at_once_with_retry_after(
+    start_proxy: Callable[..., ProxyProcess], recording_model: Callable[[float], RecordingModel]
+) -> None:
+    model = recording_model(1.0)
+    proxy = start_proxy(model.name, "--no-unload", "--max-inflight", "1", "--max-queue", "1")
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(infer, proxy.http_port, model.name, 1)
+        time.sleep(0.2)
+        waiting = pool.submit(infer, proxy.http_port, model.name, 2)
+        time.sleep(0.2)
+        started = time.monotonic()
+        status, headers, body = infer(proxy.http_port, model.name, 3)
+        took = time.monotonic() - started
+        assert status == 429 and headers["retry-after"] == "1", body
+        assert "1 waiting" in json.loads(body)["error"] and took < 0.5
+        assert running.result()[0] == waiting.result()[0] == 200
+    assert [r.value for r in model.runs()] == [1, 2]
+    assert metric(proxy, f'tritonshare_proxy_admission_refused_total{{model="{model.name}",reason="queue_full"}}') == 1
+
+
+def test_a_wait_past_the_queue_timeout_is_429(
+    start_proxy: Callable[..., ProxyProcess], recording_model: Callable[[float], RecordingModel]
+) -> None:
+    model = recording_model(1.0)
+    proxy = start_proxy(model.name, "--no-unload", "--max-inflight", "1", "--queue-timeout-s", "0.3")
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(infer, proxy.http_port, model.name, 1)
+        time.sleep(0.1)
+        started = time.monotonic()
+        status, headers, body = infer(proxy.http_port, model.name, 2)
+        took = time.monotonic() - started
+        assert status == 429 and headers["retry-after"] == "1"
+        assert "no slot free within 0.3 s" in json.loads(body)["error"] and 0.25 < took < 0.9
+        assert running.result()[0] == 200
+    assert [r.value for r in model.runs()] == [1]
+
+
+def test_the_rate_limit_refuses_with_429_and_leaves_probes_alone(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
+) -> None:
+    own = served_models.own
+    proxy = start_proxy(own, "--no-unload", "--rate-limit-rps", "2", "--rate-limit-burst", "2")
+    answers = [infer(proxy.http_port, own, i) for i in range(5)]
+    assert [status for status, _, _ in answers] == [200, 200, 429, 429, 429]
+    assert answers[2][1]["retry-after"] == "1" and "rate limit" in json.loads(answers[2][2])["error"]
+    assert get(proxy.http_port, f"/v2/models/{own}/ready")[0] == 200  # not an inference: never limited
+    time.sleep(0.6)  # one token back
+    assert infer(proxy.http_port, own, 9)[0] == 200
+    assert metric(proxy, f'tritonshare_proxy_admission_throttled_total{{model="{own}"}}') == 3
+
+
+def _request_then_leave(port: int, model: str, value: float, after_s: float) -> None:
+    body = infer_body(value)
+    head = f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(head.encode() + body)
+        time.sleep(after_s)
+
+
+def test_a_slot_comes_back_whatever_ends_the_request(
+    start_proxy: Callable[..., ProxyProcess], recording_model: Callable[[float], RecordingModel]
+) -> None:
+    model = recording_model(0.5)
+    proxy = start_proxy(model.name, "--no-unload", "--max-inflight", "1", "--queue-timeout-s", "3")
+    port, name = proxy.http_port, model.name
+    shm = json.loads(infer_body(1))
+    shm["inputs"][0]["parameters"] = {"shared_memory_region": "r"}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("POST", f"/v2/models/{name}/infer", body=json.dumps(shm).encode())
+    assert conn.getresponse().status == 400  # refused after it took the slot
+    conn.close()
+    with ThreadPoolExecutor(1) as pool:  # a client leaves while it waits for the slot
+        running = pool.submit(infer, port, name, 2)
+        time.sleep(0.1)
+        _request_then_leave(port, name, 3, after_s=0.1)
+        assert running.result()[0] == 200
+    _request_then_leave(port, name, 4, after_s=0.1)  # a client leaves while Triton computes its request
+    assert infer(port, name, 5)[0] == 200
+    runs = model.runs()
+    assert [r.value for r in runs] == [2, 4, 5]  # 3 never reached Triton; 5 waited for 4 to finish
+    assert most_at_once(runs) == 1
+    assert metric(proxy, "tritonshare_proxy_admission_inflight{") == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- bearer tokens
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tokens"
+    path.write_text("# tenant callers\nalpha-token\n\nbeta-token\n")
+    return path
+
+
+def test_the_right_token_passes_and_a_wrong_or_missing_one_is_401(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels, token_file: Path
+) -> None:
+    own = served_models.own
+    proxy = start_proxy(own, "--no-unload", "--auth-token-file", str(token_file))
+    client = httpclient.InferenceServerClient(proxy.url)
+    try:
+        assert client.is_server_live() and client.is_server_ready()  # probes need no token
+        data = np.array([1.5, 2.5], dtype=np.float32)
+        inp = httpclient.InferInput("INPUT0", [2], "FP32")
+        inp.set_data_from_numpy(data)
+        result = client.infer(own, [inp], headers={"Authorization": "Bearer alpha-token"})
+        assert np.array_equal(result.as_numpy("OUTPUT0"), data)
+        for headers in ({"Authorization": "Bearer gamma-token"}, {}):
+            with pytest.raises(InferenceServerException, match="missing or invalid bearer token"):
+                client.infer(own, [inp], headers=headers)
+    finally:
+        client.close()
+    status, headers, _ = get(proxy.http_port, f"/v2/models/{own}")
+    assert status == 401 and headers["www-authenticate"] == 'Bearer realm="tritonshare"'
+    assert get(proxy.http_port, "/v2/repository/index", Authorization="Bearer nope")[0] == 401  # learns nothing
+    url = f"http://{proxy.url}/v2/models/{own}"
+    assert _curl(url, "-H", "Authorization: Bearer beta-token") == "200"
+    assert _curl(url) == "401"
+    assert _curl(f"{url}/infer", "-H", "Authorization: bearer beta-token", "-d", infer_body(7).decode()) == "200"
+
+
+def _curl(url: str, *args: str) -> str:
+    done = subprocess.run(
+        ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", *args, url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    return done.stdout
+
+
+def test_a_changed_token_file_counts_without_a_restart(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels, tmp_path: Path
+) -> None:
+    own = served_models.own
+    path = tmp_path / "tokens"
+    path.write_text("old-token\n")
+    proxy = start_proxy(own, "--no-unload", "--auth-token-file", str(path))
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.http_port, timeout=30)  # one connection, same heads
+
+    def status(token: str) -> int:
+        conn.request("GET", f"/v2/models/{own}/ready", headers={"Authorization": f"Bearer {token}"})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+
+    try:
+        assert (status("old-token"), status("new-token")) == (200, 401)
+        write_atomically(path, b"new-token\n")  # what a Secret update amounts to
+        deadline = time.monotonic() + 5
+        while status("new-token") != 200:
+            assert time.monotonic() < deadline, "the new token was not accepted within 5 s"
+            time.sleep(0.2)
+        assert status("old-token") == 401  # the same head bytes as before: the verdict is not memoised
+    finally:
+        conn.close()
+
+
+def test_the_token_is_not_forwarded_to_triton(served_models: ServedModels, token_file: Path) -> None:
+    settings = ProxySettings(name=served_models.own, auth_token_file=token_file)
+
+    async def judged_upstream_head() -> bytes:
+        frontend = RestFrontend(ProxyState(settings))
+        raw = f"GET /v2/models/{served_models.own} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer alpha-token"
+        return frontend.judge(raw.encode()).upstream
+
+    head = asyncio.run(judged_upstream_head())
+    assert head.startswith(b"GET /v2/models/") and b"alpha-token" not in head and b"uthorization" not in head
+
+
+# ---------------------------------------------------------------------------------------------- TLS
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path) -> Iterator[tuple[CertificateAuthority, Path, Path, Path]]:
+    """(CA, CA file, certificate, key) in a folder of their own."""
+    ca = CertificateAuthority()
+    folder = tmp_path / "tls"
+    folder.mkdir()
+    cert, key = ca.write_pair(folder, serial=7001)
+    yield ca, ca.write_ca(tmp_path / "ca.crt"), cert, key
+
+
+def _handshake(port: int, ca_file: Path) -> tuple[int, str | None]:
+    """(serial of the proxy's certificate, ALPN protocol) seen by a new connection offering h2 and http/1.1."""
+    context = ssl.create_default_context(cafile=ca_file)
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            der = tls.getpeercert(binary_form=True)
+            assert der is not None
+            return serial_of(der), tls.selected_alpn_protocol()
+
+
+def test_tls_serves_tritonclient_and_curl_with_a_ca(
+    start_proxy: Callable[..., ProxyProcess],
+    served_models: ServedModels,
+    tls_files: tuple[CertificateAuthority, Path, Path, Path],
+) -> None:
+    _, ca_file, cert, key = tls_files
+    own = served_models.own
+    proxy = start_proxy(own, "--no-unload", "--tls-cert", str(cert), "--tls-key", str(key))
+    assert _handshake(proxy.http_port, ca_file) == (7001, "http/1.1")
+    client = httpclient.InferenceServerClient(proxy.url, ssl=True, ssl_options={"ca_certs": str(ca_file)})
+    try:
+        assert client.is_server_ready() and client.is_model_ready(own)
+        data = np.arange(8, dtype=np.float32)
+        inp = httpclient.InferInput("INPUT0", [8], "FP32")
+        inp.set_data_from_numpy(data, binary_data=True)
+        assert np.array_equal(client.infer(own, [inp]).as_numpy("OUTPUT0"), data)
+    finally:
+        client.close()
+    url = f"https://{proxy.url}/v2/models/{own}"
+    assert _curl(f"{url}/ready", "--cacert", str(ca_file)) == "200"
+    assert _curl(f"{url}/infer", "--cacert", str(ca_file), "-d", infer_body(3).decode()) == "200"
+    assert _curl(f"{url}/ready") == "000"  # no trust in the proxy's CA: curl refuses the certificate
+
+
+def test_tls_connection_close_ends_at_once(
+    start_proxy: Callable[..., ProxyProcess],
+    served_models: ServedModels,
+    tls_files: tuple[CertificateAuthority, Path, Path, Path],
+) -> None:
+    _, ca_file, cert, key = tls_files
+    proxy = start_proxy(served_models.own, "--no-unload", "--tls-cert", str(cert), "--tls-key", str(key))
+    context = ssl.create_default_context(cafile=ca_file)
+    with socket.create_connection(("127.0.0.1", proxy.http_port), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            tls.sendall(b"GET /v2/health/live HTTP/1.0\r\n\r\n")
+            started, answer = time.monotonic(), b""
+            while chunk := tls.recv(65536):  # an HTTP/1.0 client reads until the connection ends
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200") and time.monotonic() - started < 1.0
+
+
+def test_a_rotated_certificate_reaches_new_connections_without_a_restart(
+    start_proxy: Callable[..., ProxyProcess],
+    served_models: ServedModels,
+    tls_files: tuple[CertificateAuthority, Path, Path, Path],
+) -> None:
+    ca, ca_file, cert, key = tls_files
+    proxy = start_proxy(served_models.own, "--no-unload", "--tls-cert", str(cert), "--tls-key", str(key))
+    assert _handshake(proxy.http_port, ca_file)[0] == 7001
+    ca.write_pair(cert.parent, serial=7002)
+    deadline = time.monotonic() + 5
+    while _handshake(proxy.http_port, ca_file)[0] != 7002:
+        assert time.monotonic() < deadline, "new connections still get the old certificate after 5 s"
+        time.sleep(0.2)
+    assert proxy.process is not None and proxy.process.poll() is None  # the same process all along
+    url = f"https://{proxy.url}/v2/models/{served_models.own}/ready"
+    assert _curl(url, "--cacert", str(ca_file)) == "200"
