@@ -23,11 +23,12 @@ from tritonshare.common.errors import (
     TransientSourceError,
     UnsafeArchive,
 )
-from tritonshare.loader.checksum import file_digest
+from tritonshare.loader.checksum import cheapest, file_digest, hasher_for
 from tritonshare.loader.download import DownloadOptions, download_all, list_objects, listed_bytes
 from tritonshare.loader.settings import LoaderSettings
 from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject
 from tritonshare.loader.sources.local import LocalSource
+from tritonshare.loader.sources.stream import Part
 
 FAST = DownloadOptions(concurrency=4, retries=3, backoff_base_s=0.001, progress_interval_s=0.05)
 Behaviour = Callable[[RemoteObject, int], bytes]  # (object, attempt) → the bytes this attempt delivers
@@ -265,3 +266,122 @@ def test_options_come_from_the_loader_settings() -> None:
 def test_digests_match_the_reference_check_values(tmp_path: Path, algorithm: str, expected: str) -> None:
     (tmp_path / "f").write_bytes(b"123456789")
     assert file_digest(tmp_path / "f", algorithm) == expected
+
+
+class Chunks:
+    """A response body handing out ``data`` in network-sized pieces; it may crawl or be cut on purpose."""
+
+    def __init__(self, data: bytes, *, checksum: Checksum | None, delay_s: float, cut_after: int | None) -> None:
+        self.data, self.checksum, self.delay_s, self.cut_after = data, checksum, delay_s, cut_after
+        self.sent = 0
+
+    def readinto(self, buffer: memoryview, /) -> int:
+        if self.cut_after is not None and self.sent >= self.cut_after:
+            raise TransientSourceError("connection reset by peer")
+        time.sleep(self.delay_s)
+        count = min(len(buffer), 64 << 10, len(self.data) - self.sent)
+        buffer[:count] = self.data[self.sent : self.sent + count]
+        self.sent += count
+        return count
+
+    def close(self) -> None:
+        pass
+
+
+class StreamedSource:
+    """One object served as byte streams (whole or ranges), as the network sources do: the engine writes,
+    hashes and verifies. ``slow_offsets`` crawl; ``cuts`` (offset → bytes) and ``corrupt`` hit the first
+    request for a range starting there, once."""
+
+    uri = "scripted://models/big"
+
+    def __init__(self, data: bytes, *, slow_offsets: frozenset[int] = frozenset(), cuts: dict[int, int] | None = None):
+        self.data = data
+        self.slow_offsets = slow_offsets
+        self.cuts = dict(cuts or {})
+        self.corrupt: set[int] = set()
+        self.stated: Checksum | None = None  # what a whole-object response states (S3's flexible checksum)
+        self.requests: list[Part | None] = []
+        self.lock = threading.Lock()
+
+    def object(self, checksum: Checksum | None = None) -> RemoteObject:
+        md5 = Checksum(algorithm="md5", value=hashlib.md5(self.data).hexdigest())
+        return RemoteObject(key="m/big.bin", relpath="big.bin", size=len(self.data), checksum=checksum or md5)
+
+    def list(self) -> list[RemoteObject]:
+        return [self.object()]
+
+    def open(self, obj: RemoteObject, stall_timeout_s: float, part: Part | None = None) -> Chunks:
+        with self.lock:
+            self.requests.append(part)
+            start = part.offset if part else 0
+            cut, corrupt = self.cuts.pop(start, None), start in self.corrupt
+            self.corrupt.discard(start)
+        data = self.data[start : start + part.length] if part else self.data
+        if corrupt:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        delay = 0.002 if start in self.slow_offsets else 0.0
+        return Chunks(data, checksum=None if part else self.stated, delay_s=delay, cut_after=cut)
+
+    def ranged(self, obj: RemoteObject) -> bool:
+        return True
+
+    def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
+        raise AssertionError("the engine reads stream sources itself")
+
+    def close(self) -> None:
+        pass
+
+
+PARTED = DownloadOptions(concurrency=4, retries=2, backoff_base_s=0.001, part_bytes=256 << 10)
+BIG = os.urandom(2 << 20)  # eight parts of 256 KiB
+
+
+def test_parts_landing_out_of_order_are_verified_whole(tmp_path: Path) -> None:
+    source = StreamedSource(BIG, slow_offsets=frozenset({0}))  # the first part lands last
+    stats = download_all(source, [source.object()], tmp_path, PARTED)
+    assert (tmp_path / "big.bin").read_bytes() == BIG and (stats.bytes, stats.retries) == (len(BIG), 0)
+    assert sorted(p.offset for p in source.requests if p) == list(range(0, len(BIG), 256 << 10))
+
+
+def test_a_part_cut_midway_resumes_from_the_bytes_that_landed(tmp_path: Path) -> None:
+    source = StreamedSource(BIG, cuts={512 << 10: 3 * (64 << 10)})  # part 2 breaks after three reads
+    stats = download_all(source, [source.object()], tmp_path, PARTED)
+    assert (tmp_path / "big.bin").read_bytes() == BIG and stats.retries == 1 and stats.bytes == len(BIG)
+    assert Part((512 << 10) + 3 * (64 << 10), (256 << 10) - 3 * (64 << 10)) in source.requests
+
+
+def test_a_corrupted_part_fails_the_checksum_and_the_object_comes_again_whole(tmp_path: Path) -> None:
+    source = StreamedSource(BIG)
+    source.corrupt.add(768 << 10)
+    stats = download_all(source, [source.object()], tmp_path, PARTED)
+    assert (tmp_path / "big.bin").read_bytes() == BIG and stats.bytes == len(BIG)
+    assert source.requests[-1] is None  # after the parts, one whole request
+
+
+def test_a_stream_is_hashed_as_it_is_written_and_a_mismatch_is_transient(tmp_path: Path) -> None:
+    source = StreamedSource(BIG[:5000])
+    wrong = Checksum(algorithm="md5", value="0" * 32)
+    with pytest.raises(TransientSourceError, match=r"m/big.bin: md5 checksum mismatch .*after 3 attempts"):
+        download_all(source, [source.object(wrong)], tmp_path, PARTED)
+    assert source.requests == [None, None, None]
+
+
+def test_a_checksum_the_response_states_is_preferred_when_cheaper(tmp_path: Path) -> None:
+    source = StreamedSource(BIG[:5000])
+    source.stated = checksum_of_bytes(BIG[:5000], "crc32c")  # like S3 returning x-amz-checksum-crc32c
+    stale_md5 = Checksum(algorithm="md5", value="0" * 32)  # never computed: CRC32C is far cheaper
+    download_all(source, [source.object(stale_md5)], tmp_path, PARTED)
+    assert (tmp_path / "big.bin").read_bytes() == BIG[:5000]
+
+
+def checksum_of_bytes(data: bytes, algorithm: str) -> Checksum:
+    hasher = hasher_for(algorithm)
+    hasher.update(data)
+    return Checksum(algorithm=algorithm, value=hasher.value())
+
+
+def test_the_cheapest_known_checksum_wins() -> None:
+    md5, crc = Checksum(algorithm="md5", value="a"), Checksum(algorithm="crc32c", value="b")
+    assert cheapest(md5, None, crc) is crc and cheapest(md5) is md5
+    assert cheapest(Checksum(algorithm="crc64nvme", value="c")) is None and cheapest() is None

@@ -130,3 +130,33 @@ def test_without_credentials_requests_are_anonymous(monkeypatch: pytest.MonkeyPa
     assert source.endpoint == "https://storage.googleapis.com"
     assert GoogleAuth(source.uri).headers() == {}  # no Authorization header: public buckets stay readable
     source.close()
+
+
+def test_a_big_object_comes_in_ranged_parts_and_is_verified_by_its_crc32c(
+    gcs_server: GcsEmulator, tmp_path: Path
+) -> None:
+    folder = model_folder(tmp_path)
+    uri = gcs_server.serve(folder)
+    options = DownloadOptions(concurrency=4, retries=1, stall_timeout_s=5, part_bytes=300_000)  # 5 parts
+    (tmp_path / "dest").mkdir()
+    source = open_source(uri)
+    try:
+        download_all(source, list_objects(source, options), tmp_path / "dest", options)
+    finally:
+        source.close()
+    assert tree_bytes(tmp_path / "dest") == tree_bytes(folder)
+
+
+def test_a_big_object_corrupted_in_the_store_fails_its_crc32c_after_parts_and_whole(
+    gcs_server: GcsEmulator, tmp_path: Path
+) -> None:
+    data = os.urandom(1_000_000)
+    uri = gcs_server.put("models", "m/w.bin", data)
+    gcs_server.tamper("models", "m/w.bin", bytes([data[0] ^ 1]) + data[1:])
+    options = DownloadOptions(retries=1, backoff_base_s=0.01, stall_timeout_s=5, part_bytes=300_000)
+    source = open_source(uri)
+    try:
+        with pytest.raises(TransientSourceError, match=r"m/w.bin: crc32c checksum mismatch"):
+            download_all(source, list_objects(source, options), tmp_path, options)
+    finally:
+        source.close()

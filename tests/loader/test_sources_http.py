@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from email.message import Message
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from tests.support.ports import free_port
 from tests.support.storage import Fault, HttpFileServer, make_tar
-from tritonshare.common.errors import SourceAccessDenied, SourceNotFound, TransientSourceError
+from tritonshare.common.errors import SourceAccessDenied, SourceError, SourceNotFound, TransientSourceError
 from tritonshare.loader.download import DownloadOptions, download_all, list_objects
 from tritonshare.loader.sources.http import HttpSource, checksum_from
 
@@ -183,3 +186,83 @@ def test_checksum_headers_are_read_strongest_first(given: dict[str, str], algori
 
 def test_a_malformed_checksum_header_states_nothing() -> None:
     assert checksum_from(headers(Content_MD5="not base64!", Repr_Digest="sha-256=:c2hvcnQ=:")) is None
+
+
+class StaticServer:
+    """aiohttp's own static file handler (which answers Range requests and says Accept-Ranges: bytes)
+    under /files/, and /hops/N/NAME redirecting N times before landing on /files/NAME."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.ranges: list[str] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="static-server", daemon=True)
+        self._runner: web.AppRunner | None = None
+        self.port = free_port()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def start(self) -> StaticServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def stop(self) -> None:
+        assert self._runner is not None
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/files/{name}", self._file)
+        app.router.add_get("/hops/{count}/{name}", self._hop)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def _file(self, request: web.Request) -> web.StreamResponse:
+        if "Range" in request.headers:
+            self.ranges.append(request.headers["Range"])
+        return web.FileResponse(self.root / request.match_info["name"])
+
+    async def _hop(self, request: web.Request) -> web.StreamResponse:
+        count, name = int(request.match_info["count"]), request.match_info["name"]
+        target = f"/hops/{count - 1}/{name}" if count > 1 else f"/files/{name}"
+        raise web.HTTPFound(target)
+
+
+@pytest.fixture
+def static_server(tmp_path: Path) -> Iterator[StaticServer]:
+    (tmp_path / "static").mkdir()
+    server = StaticServer(tmp_path / "static").start()
+    yield server
+    server.stop()
+
+
+def test_a_big_file_from_a_server_that_serves_ranges_comes_in_parts(
+    static_server: StaticServer, tmp_path: Path
+) -> None:
+    data = os.urandom(1_000_000)
+    (static_server.root / "model.tar.gz").write_bytes(data)
+    options = DownloadOptions(concurrency=4, retries=1, stall_timeout_s=5, part_bytes=300_000)
+    download(static_server.url("/files/model.tar.gz"), tmp_path, options)
+    assert (tmp_path / "model.tar.gz").read_bytes() == data
+    assert sorted(static_server.ranges) == sorted(
+        f"bytes={start}-{min(start + 300_000, len(data)) - 1}" for start in range(0, len(data), 300_000)
+    )
+
+
+def test_redirects_are_followed(static_server: StaticServer, tmp_path: Path) -> None:
+    (static_server.root / "m.tar.gz").write_bytes(b"archive")
+    (obj,) = opened(static_server.url("/hops/3/m.tar.gz")).list()
+    assert (obj.relpath, obj.size) == ("m.tar.gz", 7)
+    download(static_server.url("/hops/3/m.tar.gz"), tmp_path)
+    assert (tmp_path / "m.tar.gz").read_bytes() == b"archive"
+
+
+def test_endless_redirects_are_a_permanent_error(static_server: StaticServer) -> None:
+    with pytest.raises(SourceError, match=r"more than 10 redirects — check the URL"):
+        opened(static_server.url("/hops/11/m.tar.gz")).list()

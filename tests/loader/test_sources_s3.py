@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 from tests.support.ports import free_port
 from tests.support.storage import Fault, HttpFileServer, MotoS3, RcloneS3, tree_bytes
-from tritonshare.common.errors import SourceAccessDenied, SourceNotFound, TransientSourceError
+from tritonshare.common.errors import SourceAccessDenied, SourceNotFound, TransientSourceError, UsageError
 from tritonshare.loader.download import DownloadOptions, download_all, list_objects
 from tritonshare.loader.sources import open_source
 from tritonshare.loader.sources.base import Checksum, RemoteObject
-from tritonshare.loader.sources.s3 import S3Source
+from tritonshare.loader.sources.s3 import S3Source, endpoint_for
 
 pytestmark = pytest.mark.storage
 FAST = DownloadOptions(concurrency=4, retries=2, backoff_base_s=0.01, stall_timeout_s=0.5)
@@ -224,3 +227,113 @@ def test_a_corrupted_part_fails_the_checksum_and_the_object_is_fetched_again(
     download_all(source, [obj], tmp_path, PARTS)
     assert (tmp_path / "big.bin").read_bytes() == data
     assert [method for method, _ in fake_endpoint.requests].count("GET") == 11  # 10 parts, then whole
+
+
+def test_a_part_cut_by_a_stall_resumes_after_the_bytes_it_wrote(
+    fake_endpoint: HttpFileServer, source: S3Source, tmp_path: Path
+) -> None:
+    part = 2 << 20  # two of the engine's 1 MiB reads
+    data, obj = big_object(fake_endpoint, size=3 * part)
+    fake_endpoint.fail("/models/m/big.bin", Fault(stall_after_bytes=part * 3 // 4, times=1))
+    options = DownloadOptions(concurrency=3, retries=2, backoff_base_s=0.01, stall_timeout_s=1.5, part_bytes=part)
+    stats = download_all(source, [obj], tmp_path, options)
+    assert (tmp_path / "big.bin").read_bytes() == data and stats.bytes == len(data) and stats.retries >= 1
+    resumed = [start % part for start, _ in fake_endpoint.ranges if start % part]
+    assert resumed == [1 << 20]  # the first 1 MiB read had landed: only the rest is asked again
+
+
+@pytest.mark.parametrize("algorithm", ["CRC32", "SHA1", "SHA256"])  # CRC32C: boto3 needs awscrt to store one
+def test_each_stored_flexible_checksum_is_verified(s3_server: MotoS3, tmp_path: Path, algorithm: str) -> None:
+    uri = s3_server.put("models", "m/w.bin", b"A" * 1000, checksum_algorithm=algorithm)
+    (tmp_path / "good").mkdir()
+    download(uri, tmp_path / "good")
+    assert (tmp_path / "good" / "w.bin").read_bytes() == b"A" * 1000
+    s3_server.tamper("models", "m/w.bin", b"B" * 1000)
+    with pytest.raises(TransientSourceError, match=rf"m/w.bin: {algorithm.lower()} checksum mismatch"):
+        download(uri, tmp_path)
+
+
+def test_credentials_from_a_shared_credentials_file_are_accepted(
+    rclone_s3_server: RcloneS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = model_folder(tmp_path)
+    uri = rclone_s3_server.place(folder)
+    credentials = tmp_path / "credentials"
+    key, secret = rclone_s3_server.access_key, rclone_s3_server.secret_key
+    credentials.write_text(f"[default]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    (tmp_path / "dest").mkdir()
+    download(uri, tmp_path / "dest")
+    assert tree_bytes(tmp_path / "dest") == tree_bytes(folder)
+
+
+@pytest.mark.parametrize(
+    ("bucket", "region", "custom", "url"),
+    [
+        ("models", "eu-west-1", "", "https://models.s3.eu-west-1.amazonaws.com/m/a%20b.bin"),
+        ("my.models", "us-east-1", "", "https://s3.us-east-1.amazonaws.com/my.models/m/a%20b.bin"),
+        ("models", "cn-north-1", "", "https://models.s3.cn-north-1.amazonaws.com.cn/m/a%20b.bin"),
+        ("models", "us-east-1", "http://minio:9000/", "http://minio:9000/models/m/a%20b.bin"),
+        ("models", "us-east-1", "https://ceph.local/s3", "https://ceph.local/s3/models/m/a%20b.bin"),
+    ],
+)
+def test_aws_is_addressed_by_virtual_host_and_other_stores_by_path(
+    bucket: str, region: str, custom: str, url: str
+) -> None:
+    endpoint = endpoint_for(bucket, region, {"AWS_ENDPOINT_URL": custom} if custom else {})
+    located, host, _ = endpoint.locate(bucket, "m/a b.bin")
+    assert (located, host) == (url, urlsplit(url).netloc)
+
+
+def test_an_endpoint_that_is_not_a_url_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="fix AWS_ENDPOINT_URL"):
+        endpoint_for("models", "us-east-1", {"AWS_ENDPOINT_URL_S3": "minio:9000"})
+
+
+class RegionalStore(BaseHTTPRequestHandler):
+    """An S3 stand-in whose bucket lives in eu-west-1: a request signed for another region gets S3's answer
+    (400 AuthorizationHeaderMalformed, the region in x-amz-bucket-region); one signed for eu-west-1 a listing."""
+
+    scopes: list[str] = []  # the region each request was signed for
+
+    def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+        scope = self.headers["Authorization"].split("Credential=")[1].split(",")[0]
+        self.scopes.append(scope.split("/")[2])
+        if "/eu-west-1/" not in scope:
+            self._answer(
+                400, b"<Error><Code>AuthorizationHeaderMalformed</Code></Error>", {"x-amz-bucket-region": "eu-west-1"}
+            )
+            return
+        key = b"<Contents><Key>m/w.bin</Key><Size>3</Size><ETag>x</ETag></Contents>"
+        self._answer(200, b"<ListBucketResult>" + key + b"<IsTruncated>false</IsTruncated></ListBucketResult>", {})
+
+    def _answer(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for name, value in {**headers, "Content-Length": str(len(body))}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - http.server's signature
+        pass
+
+
+@pytest.fixture
+def regional_store(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[RegionalStore]]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), RegionalStore)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    RegionalStore.scopes = []
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    yield RegionalStore
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_bucket_in_another_region_is_followed_once(regional_store: type[RegionalStore]) -> None:
+    assert [o.relpath for o in listing("s3://models/m")] == ["w.bin"]
+    assert regional_store.scopes == ["us-east-1", "eu-west-1"]

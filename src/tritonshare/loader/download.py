@@ -176,6 +176,7 @@ class _Transfer:
         self.rand = rand
         self.cancelled = threading.Event()
         self.local = threading.local()
+        self.splits: list[Split] = []  # closed (their memory maps) when the transfer ends, however it ends
         self.lock = threading.Lock()
         self.bytes_done = 0
         self.objects_done = 0
@@ -195,6 +196,8 @@ class _Transfer:
         finally:
             self.cancelled.set()  # a no-op after success; after a failure it stops the other workers
             pool.shutdown(wait=True, cancel_futures=True)
+            for split in self.splits:
+                split.close()
         stats = DownloadStats(
             objects=len(plan), bytes=self.bytes_done, seconds=self.clock() - self.started, retries=self.retries
         )
@@ -256,6 +259,7 @@ class _Transfer:
         except OSError as exc:
             raise _write_error(target, exc) from exc
         split = Split(obj, target, part_bytes, obj.checksum if self.options.verify_checksums else None)
+        self.splits.append(split)
         return [partial(self._part, split, index) for index in range(len(split.parts))]
 
     def _object(self, obj: RemoteObject, target: Path) -> None:
@@ -268,7 +272,7 @@ class _Transfer:
         if not split.complete(index):
             return
         try:
-            self._guarded(split.target, lambda: self._verify_split(split))
+            self._guarded(split.target, split.verify)
         except TransientSourceError as exc:  # the parts do not add up: fetch it again, in one piece
             logger.warning("%s — fetching it again in one piece", exc)
             with self.lock:
@@ -335,27 +339,19 @@ class _Transfer:
     def _fetch_part(self, split: Split, part: Part, landed: Progress) -> None:
         assert isinstance(self.source, StreamSource)
         body = self.source.open(split.obj, self.options.stall_timeout_s, part)
-        buffer = self._buffer()
         try:
-            fd = os.open(split.target, os.O_RDWR)
+            fd = os.open(split.target, os.O_WRONLY)
             try:
 
                 def chunk_landed(count: int) -> None:
                     landed(count)
-                    split.catch_up(fd, buffer)  # the buffer is free again until the next read
+                    split.catch_up()
 
                 self._copy(body, fd, part.offset, part.length, None, chunk_landed)
             finally:
                 os.close(fd)
         finally:
             body.close()
-
-    def _verify_split(self, split: Split) -> None:
-        fd = os.open(split.target, os.O_RDONLY)
-        try:
-            split.verify(fd, self._buffer())
-        finally:
-            os.close(fd)
 
     def _copy(
         self, body: Body, fd: int, offset: int, limit: int | None, hasher: Hasher | None, progress: Progress

@@ -1,0 +1,186 @@
+"""The sources' HTTP/1.1 transport against a real socket server whose connection handling the test controls:
+kept-alive connections reused, stale ones replaced, half-read responses never reused, proxies, timeouts."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+import pytest
+
+from tritonshare.loader.sources.transport import Origin, Transport, failure_kind
+
+BODY = b"0123456789" * 1000
+
+
+@dataclass
+class RawServer:
+    """An HTTP/1.1 server on a loopback port: answers every request with ``BODY``; records each request's
+    first line and headers, and how many connections it accepted. ``close_after`` closes each connection
+    after that many answers, without saying so (as a server whose idle keep-alive timeout passed)."""
+
+    close_after: int | None = None
+    stall_s: float = 0.0  # wait this long before answering
+    requests: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+    connections: int = 0
+    _listener: socket.socket = field(default_factory=lambda: socket.create_server(("127.0.0.1", 0)))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def start(self) -> RawServer:
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._answer(conn)
+        except OSError:
+            pass  # the client hung up: what the tests do on purpose
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as reader:
+            answered = 0
+            while self.close_after is None or answered < self.close_after:
+                head = self._read_head(reader)
+                if head is None:
+                    return
+                self.requests.append(head)
+                time.sleep(self.stall_s)
+                body = b"" if head[0].startswith("HEAD") else BODY
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), body))
+                answered += 1
+
+    @staticmethod
+    def _read_head(reader: BinaryIO) -> tuple[str, dict[str, str]] | None:
+        line = reader.readline()
+        if not line:
+            return None
+        headers: dict[str, str] = {}
+        while (header := reader.readline().decode().strip()) != "":
+            name, _, value = header.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return line.decode().strip(), headers
+
+
+@pytest.fixture
+def server() -> Iterator[RawServer]:
+    started = RawServer().start()
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def transport() -> Iterator[Transport]:
+    opened = Transport()
+    yield opened
+    opened.close()
+
+
+def get(transport: Transport, url: str) -> bytes:
+    with transport.request("GET", url, {}, read_timeout_s=5) as response:
+        return response.read(1 << 20)
+
+
+def test_one_connection_carries_many_requests(server: RawServer, transport: Transport) -> None:
+    bodies = [get(transport, f"{server.url}/object-{i}") for i in range(5)]
+    assert bodies == [BODY] * 5 and server.connections == 1
+    assert [line for line, _ in server.requests] == [f"GET /object-{i} HTTP/1.1" for i in range(5)]
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_once(transport: Transport) -> None:
+    server = RawServer(close_after=1).start()
+    try:
+        assert [get(transport, f"{server.url}/o") for _ in range(3)] == [BODY] * 3
+        assert server.connections == 3
+    finally:
+        server.stop()
+
+
+def test_a_half_read_response_closes_its_connection(server: RawServer, transport: Transport) -> None:
+    with transport.request("GET", f"{server.url}/a", {}, read_timeout_s=5) as response:
+        assert response.read(10) == BODY[:10]
+    assert get(transport, f"{server.url}/b") == BODY  # not the rest of /a's body
+    assert server.connections == 2
+
+
+def test_each_thread_has_its_own_connection_and_close_ends_them_all(server: RawServer, transport: Transport) -> None:
+    threads = [threading.Thread(target=get, args=(transport, f"{server.url}/t{i}")) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert server.connections == 3
+    transport.close()
+    assert get(transport, f"{server.url}/after") == BODY  # a closed transport opens anew when asked again
+
+
+def test_the_host_header_and_extra_headers_are_sent(server: RawServer, transport: Transport) -> None:
+    with transport.request("HEAD", f"{server.url}/h?x=1", {"Range": "bytes=0-9"}, read_timeout_s=5) as response:
+        assert response.status == 200 and response.header("content-length") == str(len(BODY))
+    line, headers = server.requests[0]
+    assert line == "HEAD /h?x=1 HTTP/1.1"
+    assert headers["host"] == Origin.of(server.url).netloc and headers["range"] == "bytes=0-9"
+
+
+def test_a_plain_http_proxy_gets_the_absolute_url_and_its_credentials(server: RawServer) -> None:
+    proxied = Transport(proxy_for=lambda scheme, host: server.url.replace("://", "://user:p%40ss@"))
+    try:
+        assert get(proxied, "http://models.example:8080/m.tar.gz") == BODY
+    finally:
+        proxied.close()
+    line, headers = server.requests[0]
+    assert line == "GET http://models.example:8080/m.tar.gz HTTP/1.1"
+    assert headers["host"] == "models.example:8080"
+    assert headers["proxy-authorization"] == "Basic dXNlcjpwQHNz"  # user:p@ss
+
+
+def test_a_server_that_does_not_answer_is_a_timeout(transport: Transport) -> None:
+    server = RawServer(stall_s=2).start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(OSError) as caught:
+            transport.request("GET", f"{server.url}/slow", {}, read_timeout_s=0.3)
+        assert failure_kind(caught.value) == "timeout" and time.monotonic() - started < 1.5
+    finally:
+        server.stop()
+
+
+def test_nobody_listening_is_a_connection_failure(transport: Transport) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(ConnectionRefusedError) as caught:
+        transport.request("GET", f"http://127.0.0.1:{port}/", {}, read_timeout_s=1)
+    assert failure_kind(caught.value) == "connection"
+
+
+@pytest.mark.parametrize(
+    ("url", "netloc"),
+    [("http://h/x", "h"), ("http://h:80/x", "h"), ("https://h:8443/x", "h:8443"), ("http://[::1]:9000/", "[::1]:9000")],
+)
+def test_the_host_header_names_the_port_only_when_not_the_default(url: str, netloc: str) -> None:
+    assert Origin.of(url).netloc == netloc
+
+
+def test_a_url_that_is_not_http_is_refused() -> None:
+    with pytest.raises(ValueError, match="not an http"):
+        Origin.of("ftp://h/x")
