@@ -1,7 +1,7 @@
 """Connections that never send a request: they must not cost the shared Triton anything, and a few hundred of
 them must not lock other clients out of the proxy.
 
-Both tests below FAIL today; each docstring says why and what would fix it.
+The first test FAILS today; its docstring says why and what would fix it.
 """
 
 from __future__ import annotations
@@ -63,17 +63,11 @@ def test_a_grpc_connection_that_sends_nothing_opens_no_connection_to_triton(
 def test_a_few_hundred_silent_connections_do_not_lock_other_clients_out(
     hostile: Hostile, tmp_path: Path, idle_clients: list[socket.socket]
 ) -> None:
-    """BUG, fails today — a connection that never completes a request head (REST) is kept forever: there is no
-    head or idle timeout (proxy/rest.py ``ClientConnection``), and the proxy runs with whatever soft
-    RLIMIT_NOFILE its container gives it (often 1024). Once that many sockets are held, every new client is
-    reset at accept: here, with a soft limit of 256 (hard 4096), 300 connections that sent half a request line
-    lock everyone else out until they close. (Legitimate load hits the same wall: each client connection also
-    holds one to Triton, so a soft limit of 1024 caps the proxy near 500 concurrent clients.)
-
-    Fix: raise the soft RLIMIT_NOFILE to the hard limit at start-up (``resource.setrlimit``, as Go programs and
-    nginx's worker_rlimit_nofile do) — this test checks that — and close connections whose head does not
-    arrive within a deadline (nginx: client_header_timeout 60 s) or that idle between requests
-    (keepalive_timeout)."""
+    """Silent or half-sent connections hold a socket each until a timeout (REST: 30 s for a head begun, 300 s
+    idle); at the proxy's soft RLIMIT_NOFILE every new client would be reset at accept. The container gives
+    whatever soft limit it gives (often 1024; each client connection also holds one to Triton), so the proxy
+    lifts its soft limit to the hard one at start-up: here, started with 256 soft / 4096 hard, 300 connections
+    that sent half a request line leave room for everyone else."""
     http_port, grpc_port = free_port(), free_port()
     command = ["prlimit", "--nofile=256:4096", "--", *hostile.proxy_command(http_port, grpc_port, tmp_path)]
     with open(tmp_path / "proxy.log", "wb") as log:

@@ -107,10 +107,10 @@ class _FillsAfterTheLastObject(LocalSource):
 def test_a_disk_that_fills_between_download_and_publish_is_insufficient_space(
     small_disk: Node, triton: TritonServer, model_name: str, tmp_path: Path
 ) -> None:
-    """BUG, fails today — loader/install.py ``install()`` calls ``write_record`` (common/repository.py) after the
-    download; on a disk that filled up meanwhile its ``OSError: [Errno 28]`` is not translated, so ``tritonshare
-    load`` exits 1 with a Python traceback instead of 15 with a clear message. The staging folder is still
-    removed (``_stage``'s ``finally``); only the exit code and message are wrong.
+    """Another writer takes the last bytes of the disk right after the download: writing the install record
+    fails with ENOSPC, which is InsufficientSpace (exit 15) like a disk that fills mid-download — not an
+    unexpected OSError (exit 1 and a traceback, as before loader/install.py translated it), and the staging
+    folder goes.
 
     Driven in-process through ``run``'s ``open_source`` seam: the disk must fill in the short gap after the last
     object lands, which only the source itself can time."""

@@ -303,6 +303,7 @@ def test_a_compressed_bomb_naming_another_model_at_its_end_is_refused_in_bounded
     assert call(channel, f"/{GRPC_SERVICE}/ModelInfer", message, gzip=True) == "NOT_FOUND"
     assert hostile.grpc.seen[since:] == []
     grown = hostile.proxy.rss_kib("VmHWM") / 1024 - before
+    print(f"\ngRPC gzip bomb (48 MiB inflated): NOT_FOUND; proxy VmHWM {before:.1f} MiB, +{grown:.1f}")
     assert grown < 16, f"the proxy's peak memory grew by {grown:.0f} MiB on a 48 MiB (inflated) message"
     still_serves(hostile, channel)
 
@@ -334,14 +335,10 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
 def test_a_client_cannot_grow_the_proxys_header_table_past_the_negotiated_size(
     hostile: Hostile, tmp_path: Path
 ) -> None:
-    """BUG, fails today — proxy/hpack_codec.py ``HeaderDecoder._resize`` accepts any "dynamic table size
-    update" a client sends, up to 2^30 bytes, although RFC 7541 §6.3 makes one above the decoder's
-    SETTINGS_HEADER_TABLE_SIZE (Triton's: 4096) a decoding error. Each HEADERS block of a refused stream
-    (never forwarded, so Triton never objects) can then add a ~15 KiB entry to the proxy's table for good: here
-    4000 blocks grow the proxy by ~60 MiB, linearly, until the pod is OOM-killed.
-
-    Fix: in ``_resize``, refuse a size above the table size the upstream allowed (4096 unless Triton's SETTINGS
-    raised it) with HpackError, which ends the connection with COMPRESSION_ERROR."""
+    """A "dynamic table size update" sets how much the proxy's HPACK decoder keeps for the connection. Without a
+    ceiling (RFC 7541 §6.3 bounds it by the decoder's SETTINGS_HEADER_TABLE_SIZE), each HEADERS block of a
+    refused stream — never forwarded, so Triton never objects — could add a ~15 KiB entry for good: 4000 blocks
+    grew the proxy by ~60 MiB, linearly, before proxy/hpack_codec.py refused sizes above 64 KiB."""
     http_port, grpc_port = free_port(), free_port()
     with open(tmp_path / "proxy.log", "wb") as log:
         proxy = subprocess.Popen(hostile.proxy_command(http_port, grpc_port, tmp_path), stdout=log, stderr=log)
