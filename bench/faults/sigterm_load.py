@@ -93,7 +93,8 @@ def rest_client(port: int, stop: threading.Event, out: Outcomes) -> None:
                 conn = None
         except (OSError, http.client.HTTPException) as exc:
             out.add(start, "rest", type(exc).__name__)
-            conn.close()
+            if conn is not None:
+                conn.close()
             conn = None
             time.sleep(0.05)
     if conn is not None:
@@ -104,7 +105,7 @@ def infer_request() -> bytes:
     request = pb.ModelInferRequest(model_name=MODEL)
     request.inputs.add(name="INPUT0", datatype="FP32", shape=[4])
     request.raw_input_contents.append(np.arange(4, dtype=np.float32).tobytes())
-    return request.SerializeToString()
+    return bytes(request.SerializeToString())
 
 
 def grpc_client(url: str, stop: threading.Event, out: Outcomes) -> None:
@@ -118,7 +119,7 @@ def grpc_client(url: str, stop: threading.Event, out: Outcomes) -> None:
                     infer(message, timeout=120)
                     out.add(start, "grpc", "")
                 except grpc.RpcError as exc:
-                    out.add(start, "grpc", str(exc.code().name))  # type: ignore[attr-defined]
+                    out.add(start, "grpc", str(exc.code().name))
                     time.sleep(0.05)
                     break
 
@@ -152,7 +153,7 @@ def _one_stream(channel: grpc.Channel, message: bytes, out: Outcomes) -> bool:
             pass
     except (grpc.RpcError, StopIteration) as exc:
         outbox.put(None)
-        code = exc.code().name if isinstance(exc, grpc.RpcError) else "stream ended early"  # type: ignore[attr-defined]
+        code = exc.code().name if isinstance(exc, grpc.RpcError) else "stream ended early"
         out.add(start, "stream", str(code))
         return False
     return True

@@ -217,12 +217,12 @@ async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> b
             return bytes(body)
 
 
-class _GrpcRecording(grpc.GenericRpcHandler):
+class _GrpcRecording(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpcio ships no type hints
     def __init__(self, recorder: GrpcRecorder) -> None:
         self.recorder = recorder
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        method = str(handler_call_details.method)  # type: ignore[attr-defined]
+        method = str(handler_call_details.method)
 
         def handle(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
             metadata = {key: str(value) for key, value in context.invocation_metadata()}

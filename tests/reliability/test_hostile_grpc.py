@@ -14,7 +14,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -61,7 +61,7 @@ def unlawful(method: str, message: bytes, own: str) -> str | None:
         request = parse(message)
     except DecodeError:
         return None  # Triton cannot parse it either: it refuses the call
-    name = request.model_name if isinstance(request, pb.ModelInferRequest) else request.name  # type: ignore[attr-defined]
+    name = request.model_name if isinstance(request, pb.ModelInferRequest) else request.name
     if name != own:
         return f"{method} for model {name!r}"
     if isinstance(request, pb.ModelInferRequest) and (keys := shm_keys(request)):
@@ -90,14 +90,14 @@ def channel(hostile: Hostile) -> Iterator[grpc.Channel]:
 
 
 def call(
-    channel: grpc.Channel, method: str, message: bytes, *, gzip: bool = False, metadata: list[tuple[str, str]] = ()
+    channel: grpc.Channel, method: str, message: bytes, *, gzip: bool = False, metadata: Sequence[tuple[str, str]] = ()
 ) -> str:
     """A unary call with raw request bytes; the status name it ended with."""
     compression = grpc.Compression.Gzip if gzip else grpc.Compression.NoCompression
     try:
         channel.unary_unary(method)(message, timeout=10, compression=compression, metadata=metadata)
     except grpc.RpcError as exc:
-        return str(exc.code().name)  # type: ignore[attr-defined]
+        return str(exc.code().name)
     return "OK"
 
 
@@ -228,7 +228,7 @@ def test_every_message_of_a_stream_is_judged(
     try:
         event(f"{sum(1 for _ in responses)} of {len(stream)} answered")
     except grpc.RpcError as exc:
-        event(str(exc.code().name))  # type: ignore[attr-defined]
+        event(str(exc.code().name))
     assert_nothing_unlawful_reached_triton(hostile, since)
 
 

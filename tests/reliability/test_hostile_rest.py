@@ -12,6 +12,7 @@ import json
 import re
 import socket
 import zlib
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -224,7 +225,7 @@ def json_text(depth: int = 3) -> st.SearchStrategy[str]:
     return st.one_of(json_leaf.map(json.dumps), objects, arrays)
 
 
-ENCODERS = {
+ENCODERS: dict[str, Callable[[bytes], bytes]] = {
     "": lambda data: data,
     "gzip": lambda data: gzip.compress(data, compresslevel=1),
     "deflate": lambda data: zlib.compress(data, 1),

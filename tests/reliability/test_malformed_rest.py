@@ -217,7 +217,7 @@ def trickle(port: int, stop: threading.Event, opened: list[socket.socket], *, in
 @pytest.fixture
 def slowloris(hostile: Hostile) -> Iterator[list[socket.socket]]:
     """64 connections each sending a request head one byte per second; they are closed after the test."""
-    stop, opened = threading.Event(), []
+    stop, opened = threading.Event(), list[socket.socket]()
     threads = [
         threading.Thread(target=trickle, args=(hostile.proxy.http_port, stop, opened), kwargs={"interval_s": 1.0})
         for _ in range(64)
@@ -250,7 +250,7 @@ def test_slowloris_clients_do_not_hold_a_shutdown_hostage(hostile: Hostile) -> N
         OWN, hostile.proxy.triton, hostile.proxy.layout, hostile.proxy.log_path.with_name("sigterm-proxy.log"),
         ["--no-unload", "--drain-timeout-s", "20"],
     ).start()  # fmt: skip
-    stop, opened = threading.Event(), []
+    stop, opened = threading.Event(), list[socket.socket]()
     threads = [
         threading.Thread(target=trickle, args=(proxy.http_port, stop, opened), kwargs={"interval_s": 0.5})
         for _ in range(16)
