@@ -11,6 +11,8 @@ root=$(pwd)
 run=$(mktemp -d /tmp/tritonshare-bench.XXXXXX)
 mkdir -p "$run/models" "$run/staging"
 cp -r "$yard/models/identity" "$run/models/"
+# as the loader does: keep the Python backend from writing __pycache__ into the model (POLL would reload it)
+touch "$run/models/identity/1/__pycache__"
 port() { "$root/.venv/bin/python" -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 th=$(port) tg=$(port) tm=$(port) nh=$(port) ng=$(port) ph=$(port) pg=$(port) pm=$(port)
 pids=()
