@@ -73,9 +73,9 @@ options = DownloadOptions(concurrency=concurrency, verify_checksums=checksums)
 source = open_source(uri)
 try:
     objects = list_objects(source, options)
-    archive = streamable(source, objects)
-    if archive is not None:
-        fetch_and_unpack(source, archive, dest, options, max_bytes=shutil.disk_usage(dest).free)
+    stream = streamable(source, objects)
+    if stream is not None:
+        fetch_and_unpack(*stream, dest, options, max_bytes=shutil.disk_usage(dest).free)
     else:
         download_all(source, objects, dest, options)
 finally:

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tritonshare.common.errors import InsufficientSpace, TransientSourceError, UnsafeArchive
+from tritonshare.common.errors import InsufficientSpace, TransientSourceError, TritonshareError, UnsafeArchive
 from tritonshare.loader.archive import ARCHIVES, Budget, unpack_tar
 from tritonshare.loader.checksum import Hasher, cheapest, check, check_size, hasher_for
 from tritonshare.loader.download import MIB, Clock, DownloadOptions, DownloadStats, Random, Sleep, with_retries
@@ -46,13 +46,14 @@ _F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named in the fcntl module only from 
 _OPEN_POLL_S = 0.005
 
 
-def streamable(source: Source, objects: list[RemoteObject]) -> RemoteObject | None:
-    """The archive to stream: the source's only object, a tar by its name, from a source that streams."""
+def streamable(source: Source, objects: list[RemoteObject]) -> tuple[StreamSource, RemoteObject] | None:
+    """The source and archive to stream, when the source's only object is a tar (by its name) and the source
+    hands out streams; None otherwise (a folder of files, a zip, a file on a volume)."""
     if len(objects) != 1 or "/" in objects[0].relpath or not isinstance(source, StreamSource):
         return None
     name = objects[0].relpath.lower()
     suffix = max((s for s in ARCHIVES if name.endswith(s)), key=len, default="")
-    return objects[0] if suffix and ARCHIVES[suffix] is unpack_tar else None
+    return (source, objects[0]) if suffix and ARCHIVES[suffix] is unpack_tar else None
 
 
 def fetch_and_unpack(
@@ -121,34 +122,46 @@ class _Stream:
         self.budget_bytes = max_bytes
         self.deadline, self.clock = deadline, clock
         self.received = 0
+        self.buffer = memoryview(bytearray(CHUNK_BYTES))
 
     def run(self) -> int:
         """Returns the bytes received. A failure to receive comes first; then the size and checksum (damaged
         bytes make the unpacker fail too, but a retry may cure them); then the unpacker's own failure."""
-        body = self.source.open(self.obj, self.options.stall_timeout_s)
+        pipe_dir = self.dest.parent / f".stream-{os.getpid()}-{threading.get_ident()}"
+        pipe = pipe_dir / self.obj.relpath  # the archive's name: unpack_tar's messages name it
         try:
-            expected = cheapest(body.checksum, self.obj.checksum) if self.options.verify_checksums else None
-            hasher = hasher_for(expected.algorithm) if expected else None
-            outcome = self._pump(body, hasher)
-            if isinstance(outcome.error, _AT_ONCE):
-                raise outcome.error  # the archive itself is refused: the rest of it does not matter
-            self._drain(body, hasher)  # after the tar's end: the rest still counts for size and checksum
+            pipe_dir.mkdir()
+            os.mkfifo(pipe, 0o600)
+        except OSError as exc:  # made before the body is opened: a full disk stops us before the network
+            raise _disk_error(exc, pipe_dir) from exc
+        try:
+            outcome = self._receive(pipe)
         finally:
-            body.close()
-        check_size(self.obj, self.received)
-        if expected is not None and hasher is not None:
-            check(self.obj, expected, hasher)
+            shutil.rmtree(pipe_dir, ignore_errors=True)
         if outcome.error is not None:
             raise outcome.error
         logger.debug("unpacked %d members of %s", outcome.members, self.obj.relpath)
         return self.received
 
-    def _pump(self, body: Body, hasher: Hasher | None) -> _Outcome:
+    def _receive(self, pipe: Path) -> _Outcome:
+        body = self.source.open(self.obj, self.options.stall_timeout_s)
+        try:
+            expected = cheapest(body.checksum, self.obj.checksum) if self.options.verify_checksums else None
+            hasher = hasher_for(expected.algorithm) if expected else None
+            outcome = self._pump(pipe, body, hasher)
+            if isinstance(outcome.error, _AT_ONCE):
+                raise outcome.error  # the archive itself is refused: the rest of it does not matter
+            while self._read(body, hasher):  # after the tar's end: the rest still counts for size and checksum
+                pass
+        finally:
+            body.close()
+        check_size(self.obj, self.received)
+        if expected is not None and hasher is not None:
+            check(self.obj, expected, hasher)
+        return outcome
+
+    def _pump(self, pipe: Path, body: Body, hasher: Hasher | None) -> _Outcome:
         """Feed the pipe until the body ends or the unpacker stops reading; the unpacker has ended on return."""
-        pipe_dir = self.dest.parent / f".stream-{os.getpid()}-{threading.get_ident()}"
-        pipe_dir.mkdir()
-        pipe = pipe_dir / self.obj.relpath  # the archive's name: unpack_tar's messages name it
-        os.mkfifo(pipe, 0o600)
         outcome = _Outcome()
         unpacker = threading.Thread(target=self._unpack, args=(pipe, outcome), name="tritonshare-unpack")
         unpacker.start()
@@ -163,7 +176,6 @@ class _Stream:
             else:
                 _release(pipe)  # an unpacker still waiting to open the pipe sees an empty archive
             unpacker.join()
-            shutil.rmtree(pipe_dir, ignore_errors=True)
         return outcome
 
     def _unpack(self, pipe: Path, outcome: _Outcome) -> None:
@@ -173,19 +185,15 @@ class _Stream:
             outcome.error = exc
 
     def _feed(self, body: Body, fd: int, hasher: Hasher | None) -> None:
-        buffer = memoryview(bytearray(CHUNK_BYTES))
-        while count := self._read(body, buffer, hasher):
+        while count := self._read(body, hasher):
             try:
-                _write_all(fd, buffer[:count])
+                _write_all(fd, self.buffer[:count])
             except BrokenPipeError:
                 return  # the unpacker stopped reading: at the tar's end, or on an error it reports
 
-    def _drain(self, body: Body, hasher: Hasher | None) -> None:
-        buffer = memoryview(bytearray(CHUNK_BYTES))
-        while self._read(body, buffer, hasher):
-            pass
-
-    def _read(self, body: Body, buffer: memoryview, hasher: Hasher | None) -> int:
+    def _read(self, body: Body, hasher: Hasher | None) -> int:
+        """The next bytes of the body into ``self.buffer``, hashed and counted; 0 at its end."""
+        buffer = self.buffer
         if self.clock() >= self.deadline:
             raise TransientSourceError(
                 f"{self.obj.key}: not downloaded within {self.options.download_timeout_s:g} s "
@@ -230,6 +238,12 @@ def _write_all(fd: int, data: memoryview) -> None:
     done = 0
     while done < len(data):
         done += os.write(fd, data[done:])
+
+
+def _disk_error(exc: OSError, folder: Path) -> TritonshareError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return InsufficientSpace(f"{folder}: the staging filesystem is full — free space on the node")
+    return TritonshareError(f"{folder}: cannot make the pipe to unpack through: {exc}")
 
 
 def _empty(folder: Path) -> None:
