@@ -4,14 +4,18 @@ kept-alive connections reused, stale ones replaced, half-read responses never re
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import BinaryIO
 
 import pytest
 
+from tests.support.certs import CertificateAuthority
 from tritonshare.loader.sources.transport import Origin, Transport, failure_kind
 
 BODY = b"0123456789" * 1000
@@ -25,13 +29,15 @@ class RawServer:
 
     close_after: int | None = None
     stall_s: float = 0.0  # wait this long before answering
+    tls: ssl.SSLContext | None = None  # serve HTTPS with this context
     requests: list[tuple[str, dict[str, str]]] = field(default_factory=list)
     connections: int = 0
     _listener: socket.socket = field(default_factory=lambda: socket.create_server(("127.0.0.1", 0)))
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        scheme = "https" if self.tls else "http"
+        return f"{scheme}://127.0.0.1:{self._listener.getsockname()[1]}"
 
     def start(self) -> RawServer:
         threading.Thread(target=self._accept, daemon=True).start()
@@ -52,9 +58,9 @@ class RawServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            self._answer(conn)
+            self._answer(self.tls.wrap_socket(conn, server_side=True) if self.tls else conn)
         except OSError:
-            pass  # the client hung up: what the tests do on purpose
+            pass  # the client hung up (or refused our certificate): what the tests do on purpose
 
     def _answer(self, conn: socket.socket) -> None:
         with conn, conn.makefile("rb") as reader:
@@ -79,6 +85,94 @@ class RawServer:
             name, _, value = header.partition(":")
             headers[name.strip().lower()] = value.strip()
         return line.decode().strip(), headers
+
+
+class ConnectProxy:
+    """A forward proxy for ``https://`` through CONNECT: answers 200, then relays bytes both ways."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.tunnels: list[str] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._tunnel, args=(client,), daemon=True).start()
+
+    def _tunnel(self, client: socket.socket) -> None:
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            head += client.recv(1)
+        target = head.split()[1].decode()
+        self.tunnels.append(target)
+        host, port = target.rsplit(":", 1)
+        upstream = socket.create_connection((host, int(port)))
+        client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        threading.Thread(target=_relay, args=(upstream, client), daemon=True).start()
+        _relay(client, upstream)
+
+
+def _relay(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        sink.close()
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[RawServer, Path]]:
+    """An HTTPS server with a certificate from a throw-away CA, and that CA's file."""
+    authority = CertificateAuthority()
+    cert, key = authority.write_pair(tmp_path, serial=2)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    started = RawServer(tls=context).start()
+    yield started, authority.write_ca(tmp_path / "ca.pem")
+    started.stop()
+
+
+def test_https_with_the_stores_ca_reuses_its_connection(tls_server: tuple[RawServer, Path]) -> None:
+    server, ca = tls_server
+    secure = Transport(ca_file=str(ca))
+    try:
+        assert [get(secure, f"{server.url}/o{i}") for i in range(3)] == [BODY] * 3
+    finally:
+        secure.close()
+    assert server.connections == 1
+
+
+def test_a_certificate_from_an_unknown_ca_is_refused(tls_server: tuple[RawServer, Path]) -> None:
+    server, _ = tls_server
+    with pytest.raises(ssl.SSLError) as caught, closing(Transport()) as strict:
+        strict.request("GET", f"{server.url}/o", {}, read_timeout_s=5)
+    assert failure_kind(caught.value) == "tls"
+
+
+def test_https_goes_through_a_connect_proxy(tls_server: tuple[RawServer, Path]) -> None:
+    server, ca = tls_server
+    proxy = ConnectProxy()
+    tunnelled = Transport(ca_file=str(ca), proxy_for=lambda scheme, host: proxy.url)
+    try:
+        assert get(tunnelled, f"{server.url}/via-proxy") == BODY
+    finally:
+        tunnelled.close()
+        proxy.close()
+    assert proxy.tunnels == [server.url.removeprefix("https://")]
+    assert server.requests[0][0] == "GET /via-proxy HTTP/1.1"
 
 
 @pytest.fixture
