@@ -1,20 +1,20 @@
 """One client connection of the REST front end (:mod:`tritonshare.proxy.rest`): its requests read, judged,
 answered here or forwarded over its :class:`~tritonshare.proxy.rest_upstream.Upstream`, one at a time.
 
-Each request is an :class:`Exchange`, from its head to the end of its response. In order, after the head is
-judged: draining (503), the bearer token when authentication is on (401 with ``WWW-Authenticate``; probes
-are open; checked per request and never memoised, so a changed token file counts at once), the policy
-verdict, then admission control for inference routes when it is on: the request takes a slot of the model's
-:class:`~tritonshare.proxy.admission.Admission` or is parked until one comes (client reading paused, the bytes
-that came after its head kept) and refused with 429 + ``Retry-After`` if the wait fails. A slot is given back
-exactly once (:meth:`ClientConnection._settle`): at the end of the response, when Triton fails, when the
-request is refused after admission (its body fails the check), or when the client goes — but a request that
-Triton got whole keeps its slot until Triton has answered it (the response is read and dropped), so clients
-that give up and retry cannot push more than the cap into Triton.
+Each request is an :class:`Exchange`, from its head to the end of its response. After the head is judged, in
+order: draining (503); the bearer token when authentication is on (401 with ``WWW-Authenticate``; probes are
+open; checked per request, never memoised, so a changed token file counts at once); the policy verdict;
+admission control for inference routes when it is on: the request takes a slot of the model's
+:class:`~tritonshare.proxy.admission.Admission`, or waits for one (parked: what the client sends meanwhile is
+kept, up to a bound) and is refused with 429 + ``Retry-After`` if the wait fails. A slot goes back exactly
+once (:meth:`ClientConnection._settle`): at the end of the response, when Triton fails, when the request is
+refused after admission (its body fails the check), or when the client goes — but a request that Triton got
+whole keeps its slot until Triton has answered it (the response is read and dropped), so clients that give up
+and retry cannot push more than the cap into Triton.
 
 Bytes of a next (pipelined) request wait until the response is complete. A request head must be complete
-within the front end's ``header_timeout_s`` of its first byte (else 408 and close: slowloris); a keep-alive
-connection idle for ``idle_timeout_s`` is closed (:meth:`ClientConnection.expire`, called every second).
+within ``header_timeout_s`` of its first byte (else 408 and close: slowloris); a keep-alive connection idle
+for ``idle_timeout_s`` is closed (:meth:`ClientConnection.expire`, called every second by the front end).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ _BACKLOG, _ADMISSION = 4, 8
 
 _REFUSAL_REASONS = {400: "bad_request", 403: "denied", 404: "not_found", 405: "method"}
 _UNAVAILABLE = "the inference server is unavailable; retry later"
+_BROKEN = "the inference server closed the connection; retry"
 _CHALLENGE = b"WWW-Authenticate: " + auth.WWW_AUTHENTICATE + b"\r\n"
 
 
@@ -55,20 +56,9 @@ class Exchange:
     one request at a time, so it keeps one Exchange and restarts it per request (:meth:`start`): resetting
     the fields costs a third of what building a new object does, on the path every request takes."""
 
-    __slots__ = (
-        "judged",
-        "route",
-        "body",
-        "forwarded",
-        "started",
-        "request_done",
-        "response_done",
-        "holding",
-        "ticket",
-    )
+    __slots__ = ("judged", "body", "forwarded", "started", "request_done", "response_done", "holding", "ticket")
 
     judged: Judged
-    route: str
     body: RequestBody | None  # a body still to read
     forwarded: bool  # sent to Triton (counted in flight from then on)
     started: float
@@ -79,7 +69,6 @@ class Exchange:
 
     def start(self, judged: Judged) -> Exchange:
         self.judged = judged
-        self.route = judged.route
         self.body = self.ticket = None
         self.forwarded = self.request_done = self.response_done = self.holding = False
         self.started = 0.0
@@ -162,7 +151,7 @@ class ClientConnection(asyncio.Protocol):
                 ex.ticket.cancel()  # it was waiting for a slot
                 ex.ticket = None
             if ex.forwarded and not ex.response_done:
-                self.state.end(PROTOCOL, ex.route, "499", ex.started)  # the client went away first
+                self.state.end(PROTOCOL, ex.judged.route, "499", ex.started)  # the client went away first
                 if ex.holding and ex.request_done and upstream is not None:
                     # Triton computes it all the same: the slot stays taken until Triton has answered.
                     upstream.orphan(self.state.admission.release)
@@ -200,10 +189,8 @@ class ClientConnection(asyncio.Protocol):
             if self.head_since is None:
                 self.head_since = now
             elif now - self.head_since >= self.fe.header_timeout_s:
-                self.state.refuse(PROTOCOL, "malformed", "408", "header_timeout")
                 message = f"the request head was not complete within {self.fe.header_timeout_s:g} s"
-                self._write(error_response(408, message, close=True))
-                self._shutdown()
+                self._give_up(None, 408, message, "header_timeout")
         elif now - self.idle_since >= self.fe.idle_timeout_s:
             self._shutdown()
 
@@ -403,7 +390,7 @@ class ClientConnection(asyncio.Protocol):
         self, ex: Exchange, status: int, message: str, reason: str, *, close: bool = False, headers: bytes = b""
     ) -> None:
         """Answer a request here; the rest of its body is read and dropped (or the connection closes)."""
-        self.state.refuse(PROTOCOL, ex.route, str(status), reason)
+        self.state.refuse(PROTOCOL, ex.judged.route, str(status), reason)
         head = ex.judged.head
         logger.debug("refused %s %s with %d: %s", head.method, head.target, status, message)
         self._settle(ex)
@@ -421,22 +408,26 @@ class ClientConnection(asyncio.Protocol):
 
     def _fail(self, exc: HttpError) -> None:
         """A request that cannot be read further (malformed head or chunked body): answer and close."""
-        ex = self.exchange
         logger.debug("malformed request: %s", exc.message)
-        if ex is not None and ex.response_done:  # already answered (a refused request's body is malformed)
-            self._shutdown()
-            return
-        if ex is None or not ex.forwarded:
-            self.state.refuse(PROTOCOL, ex.route if ex is not None else "malformed", str(exc.status), exc.reason)
-        else:  # Triton got part of it: that connection goes (see _shutdown)
-            self.state.end(PROTOCOL, ex.route, str(exc.status), ex.started)
-            if self.upstream is not None and self.upstream.answered:  # Triton answered: nothing more to say
-                self._settle(ex)
-                self._shutdown()
-                return
-        if ex is not None:
+        ex, upstream = self.exchange, self.upstream
+        answered = ex is not None and ex.forwarded and upstream is not None and upstream.answered  # on its way
+        self._give_up(ex, exc.status, None if answered else exc.message, exc.reason)
+
+    def _give_up(self, ex: Exchange | None, status: int, message: str | None, reason: str) -> None:
+        """End the exchange (if any, and not answered yet) with ``status``, say ``message`` unless None, and
+        close the connection. A request Triton got part of loses that connection too (see :meth:`_shutdown`)."""
+        if ex is None:
+            self.state.refuse(PROTOCOL, "malformed", str(status), reason)
+        elif not ex.response_done:
+            if ex.forwarded:
+                self.state.end(PROTOCOL, ex.judged.route, str(status), ex.started)
+            else:
+                self.state.refuse(PROTOCOL, ex.judged.route, str(status), reason)
             self._settle(ex)
-        self._write(error_response(exc.status, exc.message, close=True))
+        else:
+            message = None  # already answered (a refused request's body turned out malformed)
+        if message is not None:
+            self._write(error_response(status, message, close=True))
         self._shutdown()
 
     def _write(self, data: bytes) -> None:
@@ -501,7 +492,7 @@ class ClientConnection(asyncio.Protocol):
         ex.response_done = True  # _settle, inline: every request passes here
         if ex.holding:
             self._settle(ex)
-        self.state.end(PROTOCOL, ex.route, head.code, ex.started)
+        self.state.end(PROTOCOL, ex.judged.route, head.code, ex.started)
         if head.close or extra or not ex.request_done:
             self._drop_upstream()
             if not ex.request_done:  # Triton answered before the body ended: the rest cannot follow
@@ -514,14 +505,8 @@ class ClientConnection(asyncio.Protocol):
             self.served += 1
 
     def response_failed(self, *, answered: bool) -> None:
-        ex = self.exchange
-        if ex is None:
-            return
-        self._settle(ex)
-        self.state.end(PROTOCOL, ex.route, "502", ex.started)
-        if not answered:
-            self._write(error_response(502, "the inference server closed the connection; retry", close=True))
-        self._shutdown()
+        if self.exchange is not None:
+            self._give_up(self.exchange, 502, None if answered else _BROKEN, "upstream")
 
     def unavailable(self) -> None:
         """Triton cannot be reached: 503 for the request waiting on it."""
@@ -529,10 +514,4 @@ class ClientConnection(asyncio.Protocol):
         if ex is None or ex.response_done or self.closing:
             self.unpause(CONNECTING)  # nothing waits on Triton now
             return
-        if ex.forwarded:
-            self.state.end(PROTOCOL, ex.route, "503", ex.started)
-        else:
-            self.state.refuse(PROTOCOL, ex.route, "503", "upstream")
-        self._settle(ex)
-        self._write(error_response(503, _UNAVAILABLE, close=True))
-        self._shutdown()
+        self._give_up(ex, 503, _UNAVAILABLE, "upstream")
