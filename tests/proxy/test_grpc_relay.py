@@ -120,8 +120,9 @@ async def relay(
     *,
     early: int = 0,
 ) -> tuple[bytes, bytes, ProxyState]:
-    """Relay a client's bytes (the first ``early`` chunks arrive before Triton's connection is open);
-    returns what Triton and the client received."""
+    """Relay a client's bytes (Triton's connection opens with the client's first bytes, so the first
+    ``max(early, 1)`` chunks arrive before it is open); returns what Triton and the client received."""
+    early = max(early, 1)
     state = ProxyState(ProxySettings(name="own", triton_grpc="127.0.0.1:1"))
     state.draining = True  # readiness answers at once, without asking Triton
     to_triton, to_client = Recorder(), Recorder()
@@ -340,3 +341,23 @@ def test_a_header_block_interrupted_by_another_frame_ends_the_connection() -> No
     to_triton, to_client, _ = asyncio.run(relay([talk]))
     assert goaway_code(to_client) == http2.PROTOCOL_ERROR
     assert not client_streams(to_triton)
+
+
+def test_a_silent_client_gets_no_triton_connection_and_is_closed() -> None:
+    async def scenario() -> tuple[int, bool]:
+        state = ProxyState(ProxySettings(name="own", triton_grpc="127.0.0.1:1"))
+        opened: list[UpstreamConnection] = []
+
+        async def open_upstream(factory: Callable[[], UpstreamConnection]) -> UpstreamConnection:
+            opened.append(factory())
+            return opened[-1]
+
+        to_client = Recorder()
+        connection = ClientConnection(GrpcFrontend(state, open_upstream=open_upstream), state)
+        connection.connection_made(to_client)  # type: ignore[arg-type]
+        for _ in range(10):
+            await asyncio.sleep(0)
+        connection._close_silent()  # what the silence timer does after SILENT_TIMEOUT_S
+        return len(opened), to_client.closed
+
+    assert asyncio.run(scenario()) == (0, True)

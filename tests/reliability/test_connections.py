@@ -35,15 +35,10 @@ def open_fds(pid: int) -> int:
 def test_a_grpc_connection_that_sends_nothing_opens_no_connection_to_triton(
     hostile: Hostile, tmp_path: Path, idle_clients: list[socket.socket]
 ) -> None:
-    """BUG, fails today — proxy/grpc_connection.py ``ClientConnection.connection_made`` starts ``_connect()`` to
-    Triton's gRPC port as soon as a TCP connection is accepted, before a single byte (not even the HTTP/2
-    preface) arrives. So N bare TCP connects to a tenant's proxy hold N connections open on the node's SHARED
-    Triton, for as long as the client likes (nothing times them out): a tenant can spend Triton's file
-    descriptors and gRPC server resources, which every other tenant needs.
-
-    Fix: open the Triton connection lazily — buffer the client's preface and SETTINGS (``_pending`` already
-    does this while connecting) and connect at the first HEADERS frame; plus an idle timeout for connections
-    that never start a stream."""
+    """Regression (found by this test): the proxy connected to Triton's gRPC port as soon as a TCP connection
+    was accepted, so N bare connects to a tenant's proxy held N connections on the node's SHARED Triton.
+    Triton's connection now opens with the client's first bytes, and a silent connection is closed after
+    ``grpc_connection.SILENT_TIMEOUT_S``."""
     http_port, grpc_port = free_port(), free_port()
     with open(tmp_path / "proxy.log", "wb") as log:
         proxy = subprocess.Popen(hostile.proxy_command(http_port, grpc_port, tmp_path), stdout=log, stderr=log)

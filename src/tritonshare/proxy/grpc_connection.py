@@ -38,6 +38,7 @@ from tritonshare.proxy.state import ProxyState
 logger = logging.getLogger(__name__)
 
 _PENDING_LIMIT = 1 << 20  # client bytes buffered while Triton's connection opens; reading pauses beyond
+SILENT_TIMEOUT_S = 30.0  # a client connection that sends no byte for this long is closed
 _COMPRESSION_ERROR = 0x9
 
 # Opens the connection to Triton for one client connection (a seam: tests pass their own).
@@ -114,9 +115,15 @@ class ClientConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
         self._host.connections.add(self)
-        self._connecting = asyncio.get_running_loop().create_task(self._connect())
+        # Triton's connection opens with the client's first bytes, not at accept: bare TCP connects must not
+        # hold connections on the node's shared Triton; one that stays silent is closed.
+        self._silence = asyncio.get_running_loop().call_later(SILENT_TIMEOUT_S, self._close_silent)
         if self._host.draining:
             self.begin_drain()
+
+    def _close_silent(self) -> None:
+        if self.transport is not None and self._connecting is None:
+            self.transport.close()
 
     async def _connect(self) -> None:
         client = self.transport
@@ -147,6 +154,7 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._host.connections.discard(self)
+        self._silence.cancel()
         if self._connecting is not None:
             self._connecting.cancel()
         for task in self._tasks:
@@ -216,6 +224,9 @@ class ClientConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._pending is not None:  # Triton's connection is still opening
+            if self._connecting is None:
+                self._silence.cancel()
+                self._connecting = asyncio.get_running_loop().create_task(self._connect())
             self._pending.append(data)
             self._pending_size += len(data)
             if self._pending_size > _PENDING_LIMIT and self.transport is not None:
