@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -337,3 +339,36 @@ def regional_store(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[RegionalSto
 def test_a_bucket_in_another_region_is_followed_once(regional_store: type[RegionalStore]) -> None:
     assert [o.relpath for o in listing("s3://models/m")] == ["w.bin"]
     assert regional_store.scopes == ["us-east-1", "eu-west-1"]
+
+
+CHILD = """
+import sys
+from pathlib import Path
+from tritonshare.loader.download import DownloadOptions, download_all, list_objects
+from tritonshare.loader.sources import open_source
+
+source = open_source(sys.argv[1])
+options = DownloadOptions(concurrency=16)
+download_all(source, list_objects(source, options), Path(sys.argv[2]), options)
+source.close()
+print(next(line for line in open("/proc/self/status") if line.startswith("VmHWM:")).split()[1])
+"""
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_while_a_big_object_comes_in_parts_and_is_hashed(
+    rclone_s3_server: RcloneS3, tmp_path: Path
+) -> None:
+    folder = tmp_path / "big"
+    folder.mkdir()
+    with open(folder / "weights.bin", "wb") as fh:
+        for _ in range(96):
+            fh.write(os.urandom(1 << 20))  # 96 MiB: twelve parts, verified against the MD5 ETag
+    uri = rclone_s3_server.place(folder)
+    (tmp_path / "dest").mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, uri, str(tmp_path / "dest")], capture_output=True, text=True, check=True
+    )
+    assert (tmp_path / "dest" / "weights.bin").read_bytes() == (folder / "weights.bin").read_bytes()
+    peak_mib = int(done.stdout.split()[-1]) / 1024  # VmHWM: this process's peak resident set, in KiB
+    assert peak_mib < 100, f"peak RSS {peak_mib:.0f} MiB for a 96 MiB object"
