@@ -130,6 +130,17 @@ def main(log_format: str, log_level: str) -> None:
 @option("--retries", type=click.IntRange(min=0), default=5, help="Retries per object on transient errors.")
 @option("--concurrency", type=click.IntRange(min=1, max=256), default=16, help="Objects downloaded at once.")
 @option(
+    "--require-gpu-memory-mib",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Before publishing, Triton's metrics must show this much free GPU memory (all its GPUs); 0 = no check.",
+)
+@option(
+    "--triton-metrics-url",
+    default=None,
+    help="Triton's metrics page, read by the GPU memory check.  [default: Triton's host, port 8002]",
+)
+@option(
     "--termination-log",
     type=click.Path(path_type=Path),
     default=Path("/dev/termination-log"),
@@ -152,13 +163,16 @@ def load(
     stall_timeout_s: float,
     retries: int,
     concurrency: int,
+    require_gpu_memory_mib: int,
+    triton_metrics_url: str | None,
     termination_log: Path,
 ) -> None:
     """Fetch SOURCE (s3://, gs://, http(s)://, file:// or a path), install it as NAME, wait until ready.
 
     Exit codes: 0 ready; 2 usage; 10 permanent source error; 11 transient source failure; 12 Triton
     failed to load the model; 13 readiness deadline; 14 NAME installed from a different source;
-    15 not enough disk space.
+    15 not enough disk space, or GPU memory (--require-gpu-memory-mib); 16 Triton's metrics unreadable
+    (GPU memory check).
     """
     from tritonshare.loader.run import run
     from tritonshare.loader.settings import LoaderSettings
@@ -176,6 +190,8 @@ def load(
         stall_timeout_s=stall_timeout_s,
         retries=retries,
         concurrency=concurrency,
+        require_gpu_memory_mib=require_gpu_memory_mib,
+        triton_metrics_url=triton_metrics_url or None,
         termination_log=termination_log,
     )
     run_command(lambda: run(settings), termination_log=termination_log)

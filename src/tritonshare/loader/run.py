@@ -8,6 +8,7 @@ Phases, each logged with its duration::
     download  into a fresh staging folder
     unpack    when the source is one archive file
     check     find the model root, check it, set config.pbtxt's name
+    gpu       only with --require-gpu-memory-mib: Triton's GPUs have that much free (15)
     publish   record + one rename into repository/NAME
     load      Triton reports it ready (poll) or loaded it (explicit)
 
@@ -35,6 +36,7 @@ from tritonshare.common.triton import TritonClient
 from tritonshare.loader import sources
 from tritonshare.loader.archive import unpack, unpacker_for
 from tritonshare.loader.download import MIB, DownloadOptions, download_all, list_objects, listed_bytes
+from tritonshare.loader.gpu_check import check_gpu_memory
 from tritonshare.loader.install import Installed, existing, install, listing_digest, withdraw
 from tritonshare.loader.model import prepare
 from tritonshare.loader.readiness import MODES, wait_live
@@ -155,6 +157,9 @@ def _stage(
         top = _unpack_if_archive(files, objects, workspace, free, timings)
         with timings.phase("check"):
             root = prepare(top, settings.name, record.source)
+        if settings.require_gpu_memory_mib:
+            with timings.phase("gpu"):
+                check_gpu_memory(settings, record.source)
         with timings.phase("publish"):
             return install(settings.layout, root, record)
     finally:

@@ -28,4 +28,6 @@ class LoaderSettings:
     retries: int = 5  # attempts per object after the first, with exponential backoff
     concurrency: int = 16  # objects downloaded at once
     poll_interval_s: float = 0.25  # how often readiness and the repository index are asked
+    require_gpu_memory_mib: int = 0  # free GPU memory Triton must report before publishing; 0 = no check
+    triton_metrics_url: str | None = None  # for that check; None = Triton's host, port 8002
     termination_log: Path | None = DEFAULT_PATH
