@@ -28,22 +28,16 @@ from collections.abc import Callable, Iterable
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from tritonshare.common.triton_metrics_page import MAX_PAGE_BYTES, default_metrics_url
+
 logger = logging.getLogger(__name__)
 
-TRITON_METRICS_PORT = 8002  # tritonserver --metrics-port default
-MAX_PAGE_BYTES = 32 * 1024 * 1024  # Triton's page grows with the number of models; this is far beyond it
 UP = "tritonshare_proxy_triton_metrics_up"
 
 _TYPE_LINE = re.compile(r"^#\s+TYPE\s+(\S+)\s+counter\s*$", re.MULTILINE)
 
 
-def default_url(triton_url: str) -> str:
-    """Triton's metrics page on the host of ``triton_url`` at Triton's default metrics port:
-    ``http://tritonshare-triton.tritonshare.svc:8000`` → ``http://tritonshare-triton.tritonshare.svc:8002/metrics``."""
-    parsed = urllib.parse.urlsplit(triton_url if "://" in triton_url else f"http://{triton_url}")
-    host = parsed.hostname or "127.0.0.1"
-    host = f"[{host}]" if ":" in host else host
-    return f"http://{host}:{TRITON_METRICS_PORT}/metrics"
+default_url = default_metrics_url  # Triton's host, port 8002 (shared with the loader's GPU check)
 
 
 class ScrapeError(Exception):
