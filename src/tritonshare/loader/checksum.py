@@ -22,6 +22,7 @@ from tritonshare.common.errors import TransientSourceError, TritonshareError
 from tritonshare.loader.sources.base import Checksum, RemoteObject
 
 _READ_BYTES = 1 << 20
+_CRC32C_SLICE_BYTES = 1 << 20
 
 
 class Hasher(Protocol):
@@ -60,8 +61,14 @@ class _Crc32c:
         self._crc = 0
 
     def update(self, data: bytes | memoryview, /) -> None:
-        # the C extension takes bytes only (not a view of a buffer): one memory copy, ~20x cheaper than MD5
-        self._crc = self._extend(self._crc, data if isinstance(data, bytes) else bytes(data))
+        if isinstance(data, bytes):
+            self._crc = self._extend(self._crc, data)
+            return
+        # The C extension takes bytes only, not a view of a buffer: a copy, still ~20x cheaper than MD5. In
+        # slices of 1 MiB: larger blocks, freed by many threads, stay in glibc's per-thread arenas (with 8 MiB
+        # slices RSS grew by 8 MiB per download thread).
+        for start in range(0, len(data), _CRC32C_SLICE_BYTES):
+            self._crc = self._extend(self._crc, bytes(data[start : start + _CRC32C_SLICE_BYTES]))
 
     def value(self) -> str:
         return b64encode(self._crc.to_bytes(4, "big")).decode()
