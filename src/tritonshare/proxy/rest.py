@@ -58,9 +58,9 @@ class HeadRules:
     admitting: bool  # admission control is on
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Judged:
-    """A request head, parsed and judged once."""
+    """A request head, parsed and judged once; memoised, never changed (not frozen: see RequestHead)."""
 
     head: RequestHead
     decision: RestDecision
@@ -75,11 +75,19 @@ class Judged:
     length: int  # Content-Length (0 without one)
 
 
-def judge_head(raw: bytes, rules: HeadRules) -> Judged:
+def judge_head(raw: bytes, rules: HeadRules, decisions: dict[tuple[str, str], RestDecision] | None = None) -> Judged:
     """Parse a request head (raises :class:`~tritonshare.proxy.http1.HttpError`), judge it, and build what
-    forwarding it needs."""
+    forwarding it needs. ``decisions`` memoises the policy's verdicts by method and target (heads that differ
+    only in other headers, such as a request id a mesh adds, then skip the policy's path parsing)."""
     head = parse_request_head(raw, rules.strip)
-    decision = judge_rest(head.method, head.target, rules.own)
+    key = (head.method, head.target)
+    decision = decisions.get(key) if decisions is not None else None
+    if decision is None:
+        decision = judge_rest(head.method, head.target, rules.own)
+        if decisions is not None:
+            if len(decisions) >= _HEAD_MEMO:
+                decisions.clear()
+            decisions[key] = decision
     route, length = decision.route, head.content_length or 0
     limited, open_ = route in admission.LIMITED_ROUTES, route in auth.OPEN_REST_ROUTES
     if decision.status:
@@ -132,6 +140,7 @@ class RestFrontend:
         self.pool = UpstreamPool(url.hostname or "127.0.0.1", url.port or 80, settings.connect_timeout_s, state)
         self.connections: set[ClientConnection] = set()
         self.heads: dict[bytes, Judged] = {}
+        self.decisions: dict[tuple[str, str], RestDecision] = {}
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._port = 0
@@ -184,7 +193,7 @@ class RestFrontend:
         the head's bytes."""
         judged = self.heads.get(raw)
         if judged is None:
-            judged = judge_head(raw, self.rules)
+            judged = judge_head(raw, self.rules, self.decisions)
             if len(raw) <= _MEMO_HEAD_BYTES:
                 if len(self.heads) >= _HEAD_MEMO:
                     self.heads.clear()
