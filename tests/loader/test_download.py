@@ -385,3 +385,10 @@ def test_the_cheapest_known_checksum_wins() -> None:
     md5, crc = Checksum(algorithm="md5", value="a"), Checksum(algorithm="crc32c", value="b")
     assert cheapest(md5, None, crc) is crc and cheapest(md5) is md5
     assert cheapest(Checksum(algorithm="crc64nvme", value="c")) is None and cheapest() is None
+
+
+def test_part_size_grows_with_the_object_to_bound_the_number_of_requests() -> None:
+    options = DownloadOptions()  # 8 MiB parts, at most 64 of them
+    sizes = [options.part_size(size) >> 20 for size in (200 << 20, 512 << 20, 513 << 20, 2 << 30)]
+    assert sizes == [8, 8, 9, 32]
+    assert DownloadOptions(part_bytes=100_000).part_size(1_000_000) == 100_000
