@@ -195,3 +195,15 @@ async def test_metadata_and_readiness_never_wait() -> None:
     await relay.send(relay.client.headers(3, "ModelMetadata"), data(3, message("own")))
     assert bytes(relay.at_triton()[3].data) == message("own")  # type: ignore[attr-defined]
     assert relay.state.admission.waiting == 0
+
+
+async def test_a_waiting_stream_cannot_pile_up_header_blocks() -> None:
+    relay = await Relay().start()
+    await relay.send(relay.client.headers(1, "ModelInfer"), data(1, message("own")))
+    await relay.send(relay.client.headers(3, "ModelInfer"), data(3, message("own"), end=False))
+    block = relay.client.encoder.encode([("x-trailer", "t")])
+    await relay.send(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 3, block))
+    assert not relay.to_client.closed
+    await relay.send(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 3, block))
+    goaway = [p for kind, _, _, p in frames(bytes(relay.to_client.out)) if kind == http2.GOAWAY]
+    assert relay.to_client.closed and int.from_bytes(goaway[-1][4:8], "big") == http2.PROTOCOL_ERROR

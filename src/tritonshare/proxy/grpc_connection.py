@@ -440,6 +440,8 @@ class ClientConnection(asyncio.Protocol):
                 self._reencode = self._reencode or block.changes_table
                 return b""
             if stream.held is not None:  # behind its held frames; index-free, as it reaches Triton later
+                if any(frame[3] == http2.HEADERS for frame in stream.held):  # bounds what a stream holds
+                    raise http2.FrameError(f"stream {stream_id} sent a header block after its trailers")
                 self._reencode = self._reencode or block.changes_table
                 stream.held.append(self._plain_frames(stream_id, flags, block))
                 return b""

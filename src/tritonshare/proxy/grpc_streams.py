@@ -33,7 +33,7 @@ class Stream:
     started: float
     inspector: MessageInspector | None  # OWN RPCs: judges each request message
     headers_sent: bool = False  # Triton has sent response headers on it
-    ticket: Ticket | None = None  # waiting for an admission slot (or refused one): see ClientConnection._admit
+    ticket: Ticket | None = None  # waiting for an admission slot, or refused one (grpc_admission.StreamGate)
     holding: bool = False  # holds an admission slot
     held: list[bytes] | None = None  # its frames kept from Triton until it gets a slot
     held_bytes: int = 0  # their DATA payload bytes (flow-controlled)
