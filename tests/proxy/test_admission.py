@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry
 from tritonshare.common.errors import UsageError
 from tritonshare.proxy.admission import LIMITED_ROUTES, Admission, AdmissionLimits, Refusal, TokenBucket
 from tritonshare.proxy.policy import GRPC_RULES, REST_MODEL_ROUTES, Verdict
+from tritonshare.proxy.settings import ProxySettings
+from tritonshare.proxy.state import ProxyState
 
 MODEL = "m"
 
@@ -436,3 +438,20 @@ def _exposition(registry: CollectorRegistry) -> bytes:
     from prometheus_client.exposition import generate_latest
 
     return generate_latest(registry)
+
+
+@pytest.mark.asyncio
+async def test_a_drain_waits_for_requests_holding_or_waiting_for_a_slot() -> None:
+    """A REST request waiting for a slot is not in flight yet: the drain must wait for the queue too."""
+    state = ProxyState(ProxySettings(name=MODEL, max_inflight=1))
+    loop = asyncio.get_running_loop()
+    assert state.admission.try_acquire()  # a request holds the slot, one waits
+    answers: list[Refusal | None] = []
+    state.admission.enqueue(answers.append)
+    assert not await state.wait_idle(0.05)  # nothing "in flight" for ProxyState, yet not idle
+    loop.call_later(0.05, state.admission.release)  # the slot passes to the waiter...
+    loop.call_later(0.15, state.admission.release)  # ...which finishes later
+    started = loop.time()
+    assert await state.wait_idle(5)
+    assert 0.14 <= loop.time() - started < 1.0 and answers == [None]
+    state.admission.close()
