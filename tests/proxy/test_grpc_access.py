@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
@@ -161,6 +162,38 @@ def test_max_inflight_holds_exactly_at_triton(
     uncapped = start_proxy(model.name, "--no-unload")
     assert codes(load(uncapped.grpc_url)) == ["OK"] * 12
     assert model.max_concurrency() >= 3
+
+
+def test_the_cap_holds_for_rest_and_grpc_together(
+    start_proxy: StartProxy,
+    recording_model: Callable[[float], RecordingModel],
+    client_of: Callable[..., grpcclient.InferenceServerClient],
+) -> None:
+    """One admission per proxy: 6 gRPC calls and 6 REST requests at once share --max-inflight 2."""
+    model = recording_model(0.3)
+    proxy = start_proxy(model.name, "--no-unload", "--max-inflight", "2", "--queue-timeout-s", "60")
+    rest_codes: list[str] = []
+
+    def rest(value: float) -> None:
+        with httpclient.InferenceServerClient(proxy.url, network_timeout=60) as client:
+            inp = httpclient.InferInput("INPUT0", [4], "FP32")
+            inp.set_data_from_numpy(np.full(4, value, dtype=np.float32))
+            rest_codes.append("OK" if (client.infer(model.name, [inp]).as_numpy("OUTPUT0") == value).all() else "WRONG")
+
+    grpc_outcomes: list[Outcome] = []
+    threads = [threading.Thread(target=rest, args=(100.0 + v,)) for v in range(6)]
+    threads.append(
+        threading.Thread(
+            target=lambda: grpc_outcomes.extend(infer_all(client_of(proxy.grpc_url), model.name, list(range(6))))
+        )
+    )
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert rest_codes == ["OK"] * 6 and codes(grpc_outcomes) == ["OK"] * 6
+    assert len(model.executions()) == 12
+    assert model.max_concurrency() == 2
 
 
 def test_waiting_calls_run_in_arrival_order_across_connections(
