@@ -76,7 +76,8 @@ class ProxyMetrics(Collector):
         hist = self._latency.get(lkey)
         if hist is None:
             hist = self._latency[lkey] = Histogram()
-        hist.observe(seconds)
+        hist.counts[bisect_left(BUCKETS, seconds)] += 1  # Histogram.observe, inlined: once per request
+        hist.total += seconds
 
     def refused(self, protocol: str, route: str, reason: str) -> None:
         key = (protocol, route, reason)

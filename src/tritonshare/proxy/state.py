@@ -67,25 +67,24 @@ class ProxyState:
         self.tls = TlsCertificates.from_options(settings.tls_cert, settings.tls_key, registry=registry)
         self.draining = False
         self._inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._idle: asyncio.Event | None = None  # made only while a drain waits for the last request
 
     @property
     def inflight(self) -> int:
         return self._inflight
 
     def begin(self, protocol: str) -> float:
-        """A request was forwarded to Triton; returns its start time for :meth:`end`."""
+        """A request was forwarded to Triton; returns its start time for :meth:`end`. (Per request: kept
+        to a few attribute operations.)"""
         self._inflight += 1
-        self._idle.clear()
-        self.metrics.inflight_gauge(protocol).inc()
+        self.metrics.inflight_gauge(protocol).value += 1
         return time.perf_counter()
 
     def end(self, protocol: str, route: str, code: str, started: float) -> None:
         self._inflight -= 1
-        self.metrics.inflight_gauge(protocol).dec()
+        self.metrics.inflight_gauge(protocol).value -= 1
         self.metrics.observe(protocol, route, code, time.perf_counter() - started)
-        if self._inflight == 0:
+        if self._inflight == 0 and self._idle is not None:
             self._idle.set()
 
     def refuse(self, protocol: str, route: str, code: str, reason: str) -> None:
@@ -103,11 +102,14 @@ class ProxyState:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            if not self._idle.is_set():
+            if self._inflight:
+                self._idle = asyncio.Event()
                 try:
                     await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - loop.time()))
                 except TimeoutError:
                     return False
+                finally:
+                    self._idle = None
             if self.admission.idle:
                 return True
             if loop.time() >= deadline:
