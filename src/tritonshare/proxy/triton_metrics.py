@@ -16,7 +16,6 @@ Fetching blocks for up to ``timeout_s``: call :meth:`TritonModelMetrics.expositi
 
 from __future__ import annotations
 
-import http.client
 import logging
 import math
 import re
@@ -28,7 +27,8 @@ from collections.abc import Callable, Iterable
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from tritonshare.common.triton_metrics_page import MAX_PAGE_BYTES, default_metrics_url
+from tritonshare.common.errors import TritonUnavailable
+from tritonshare.common.triton_metrics_page import default_metrics_url, fetch_page
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,6 @@ class TritonModelMetrics:
         self.model = model
         self.timeout_s = timeout_s
         self.ttl_s = ttl_s
-        self._parsed = parsed
         self._clock = clock
         self._lock = threading.Lock()
         self._cached: bytes | None = None
@@ -89,21 +88,10 @@ class TritonModelMetrics:
         return (body + up_gauge(self.model, True)).encode()
 
     def _fetch(self) -> str:
-        cls = http.client.HTTPSConnection if self._parsed.scheme == "https" else http.client.HTTPConnection
-        conn = cls(self._parsed.hostname or "", self._parsed.port, timeout=self.timeout_s)
         try:
-            conn.request("GET", self._parsed.path or "/metrics", headers={"Accept": "text/plain"})
-            reply = conn.getresponse()
-            page = reply.read(MAX_PAGE_BYTES + 1)
-        except (OSError, http.client.HTTPException) as exc:
-            raise ScrapeError(f"GET {self.url}: {exc}") from exc
-        finally:
-            conn.close()
-        if reply.status != 200:
-            raise ScrapeError(f"GET {self.url}: HTTP {reply.status}")
-        if len(page) > MAX_PAGE_BYTES:
-            raise ScrapeError(f"GET {self.url}: page larger than {MAX_PAGE_BYTES} bytes")
-        return page.decode("utf-8", errors="replace")
+            return fetch_page(self.url, timeout_s=self.timeout_s)
+        except TritonUnavailable as exc:
+            raise ScrapeError(str(exc)) from exc
 
     def _report(self, up: bool, reason: str) -> None:
         """Log changes of state only: a scrape every 15 s must not repeat the same warning forever."""
