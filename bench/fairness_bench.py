@@ -15,9 +15,6 @@ request takes longer when it has to share a core: contention shows as latency). 
 Run from the repository root after ``scripts/setup.sh`` (needs .venv-triton and wrk)::
 
     .venv/bin/python -m bench.fairness_bench [--seconds 15] [--cap 1] [--runs solo,uncapped,capped]
-
-The admission options (``--max-inflight`` …) exist once admission control is wired into the proxy's CLI;
-before that the "capped" run stops with the proxy's usage error (the other two runs work).
 """
 
 from __future__ import annotations
