@@ -272,12 +272,13 @@ class _Transfer:
         return [partial(self._part, split, index) for index in range(len(split.parts))]
 
     def _object(self, obj: RemoteObject, target: Path) -> None:
-        with_retries(lambda: self._attempt(obj, target), self.options, self._pause, self.rand)
+        self._settled(lambda: with_retries(lambda: self._attempt(obj, target), self.options, self._pause, self.rand))
         with self.lock:
             self.objects_done += 1
 
     def _part(self, split: Split, index: int) -> None:
-        with_retries(lambda: self._attempt_part(split, index), self.options, self._pause, self.rand)
+        attempt = partial(self._attempt_part, split, index)
+        self._settled(lambda: with_retries(attempt, self.options, self._pause, self.rand))
         if not split.complete(index):
             return
         try:
@@ -290,6 +291,15 @@ class _Transfer:
             return
         with self.lock:
             self.objects_done += 1
+
+    def _settled(self, call: Callable[[], None]) -> None:
+        """``call``; when it fails for good, no other worker starts anything more (the main thread may be
+        slow to notice on a busy node)."""
+        try:
+            call()
+        except BaseException:
+            self.cancelled.set()
+            raise
 
     def _attempt(self, obj: RemoteObject, target: Path) -> None:
         """One attempt at a whole object; on failure its bytes no longer count as done."""
