@@ -230,8 +230,7 @@ class _Transfer:
             done, pending = wait(
                 pending, timeout=min(remaining, self.options.progress_interval_s), return_when=FIRST_EXCEPTION
             )
-            for future in done:
-                future.result()  # re-raises the first failure
+            _raise_first_failure(done)
             if self.clock() - last_log >= self.options.progress_interval_s:
                 last_log = self.clock()
                 self._log_progress(count)
@@ -423,6 +422,15 @@ class _Transfer:
             self.sleep(delay)
         elif self.cancelled.wait(delay):
             raise _Cancelled("cancelled while waiting to retry")
+
+
+def _raise_first_failure(done: Iterable[Future[None]]) -> None:
+    """The failure that stopped the download. Workers merely cancelled because of it may finish first: they
+    are passed over, and the caller keeps waiting for the worker that failed."""
+    for future in done:
+        exc = future.exception()
+        if exc is not None and not isinstance(exc, _Cancelled):
+            raise exc
 
 
 def with_retries(call: Callable[[], T], options: DownloadOptions, pause: Sleep, rand: Random) -> T:
