@@ -38,7 +38,7 @@ from tritonshare.common.errors import (
 )
 from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, register
 from tritonshare.loader.sources.stream import Body, Part, fetch_stream
-from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, Transport, failure_kind
+from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, Transport, transport_error
 
 LIST_TIMEOUT_S = 60.0
 MAX_LISTING_BYTES = 64 << 20
@@ -238,13 +238,8 @@ def _remote(item: Mapping[str, Any], relpath: str) -> RemoteObject:
 
 
 def network_error(exc: BaseException, what: str) -> TritonshareError:
-    kind = failure_kind(exc)
-    if kind == "timeout":
-        return TransientSourceError(f"{what}: the store did not answer in time ({exc})")
-    if kind == "tls":
-        return SourceError(f"{what}: TLS certificate verification failed ({exc}) — check the node's CA certificates")
-    return TransientSourceError(
-        f"{what}: connection failed ({exc or type(exc).__name__}) — check the network to the store"
+    return transport_error(
+        exc, what, tls_hint="check the node's CA certificates", connect_hint="check the network to the store"
     )
 
 

@@ -46,7 +46,7 @@ from tritonshare.common.errors import (
 from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, register
 from tritonshare.loader.sources.s3_auth import DEFAULT_REGION, DENIED_HINT, CredentialChain, Signer
 from tritonshare.loader.sources.stream import Body, Part, fetch_stream
-from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, Transport, failure_kind
+from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, Transport, transport_error
 
 LIST_READ_TIMEOUT_S = 60.0
 MAX_LISTING_BYTES = 64 << 20  # one page of 1,000 keys is well under 1 MiB
@@ -320,13 +320,11 @@ def _contents(page: ElementTree.Element) -> Iterator[tuple[str, int, str]]:
 
 
 def network_error(exc: BaseException, what: str) -> TritonshareError:
-    kind = failure_kind(exc)
-    if kind == "timeout":
-        return TransientSourceError(f"{what}: the store did not answer in time ({exc})")
-    if kind == "tls":
-        return SourceError(f"{what}: TLS certificate verification failed ({exc}) — set AWS_CA_BUNDLE for a private CA")
-    return TransientSourceError(
-        f"{what}: connection failed ({exc or type(exc).__name__}) — check AWS_ENDPOINT_URL and the network"
+    return transport_error(
+        exc,
+        what,
+        tls_hint="set AWS_CA_BUNDLE for a private CA",
+        connect_hint="check AWS_ENDPOINT_URL and the network",
     )
 
 

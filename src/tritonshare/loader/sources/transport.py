@@ -31,6 +31,8 @@ from email.message import Message
 from typing import Literal
 from urllib.parse import unquote, urlsplit
 
+from tritonshare.common.errors import SourceError, TransientSourceError, TritonshareError
+
 CONNECT_TIMEOUT_S = 10.0
 ProxyLookup = Callable[[str, str], str | None]  # (scheme, host) → proxy URL, or None to connect directly
 
@@ -231,3 +233,14 @@ def failure_kind(exc: BaseException) -> FailureKind:
 
 
 NETWORK_ERRORS: tuple[type[BaseException], ...] = (OSError, http.client.HTTPException)
+
+
+def transport_error(exc: BaseException, what: str, *, tls_hint: str, connect_hint: str) -> TritonshareError:
+    """A failure to reach a store → the error tree: timeouts and lost connections are transient, a TLS
+    verification failure is not. The hints say what to check for that store."""
+    kind = failure_kind(exc)
+    if kind == "timeout":
+        return TransientSourceError(f"{what}: the store did not answer in time ({exc})")
+    if kind == "tls":
+        return SourceError(f"{what}: TLS certificate verification failed ({exc}) — {tls_hint}")
+    return TransientSourceError(f"{what}: connection failed ({exc or type(exc).__name__}) — {connect_hint}")
