@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The proxy yardstick in one run: real Triton, then the same REST (wrk) and gRPC (h2load) load direct to
-# Triton, through nginx (the baseline), and through `tritonshare proxy`; CPU µs per request of each proxy
-# process, rps, latency; and the proxy's RSS idle and after load.
+# The proxy yardstick in one run: real Triton, then the same REST (wrk), gRPC unary (h2load) and gRPC
+# streaming (bench/stream_bench.py: bidi ModelStreamInfer) load direct to Triton, through nginx (the
+# baseline), and through `tritonshare proxy`; CPU µs per request of each proxy process, rps, latency; and the
+# proxy's RSS idle and after load.
 # usage: bench/proxy_bench.sh [SECONDS]      (needs scripts/setup.sh; uses ../shared/bench)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,16 @@ triton=$(bash "$yard/triton-up.sh" "$root/.venv-triton" "$run/models" "$th" "$tg
 for _ in $(seq 1 120); do
   curl -fs "http://127.0.0.1:$th/v2/models/identity/ready" >/dev/null 2>&1 && break; sleep 0.25
 done
-nginx_pids=$(bash "$yard/nginx-up.sh" "$run/nginx" identity "$th" "$tg" "$nh" "$ng")
+# nginx counts a whole gRPC stream as one request body: its default client_max_body_size (1 MiB) resets a bidi
+# stream after ~13,000 of the yardstick's messages. Whoever streams through nginx lifts it; so does this baseline.
+mkdir -p "$run/yard"
+cp "$yard/nginx-up.sh" "$run/yard/"
+sed 's#listen 127.0.0.1:@GRPC@ http2;#& client_max_body_size 0;#' "$yard/nginx.conf.in" >"$run/yard/nginx.conf.in"
+grep -q 'http2; client_max_body_size 0;' "$run/yard/nginx.conf.in" || {
+  echo "proxy_bench.sh: cannot lift nginx's gRPC body limit: $yard/nginx.conf.in has no 'listen 127.0.0.1:@GRPC@ http2;'" >&2
+  exit 1
+}
+nginx_pids=$(bash "$run/yard/nginx-up.sh" "$run/nginx" identity "$th" "$tg" "$nh" "$ng")
 "$root/.venv/bin/tritonshare" --log-level warning proxy --name identity --host 127.0.0.1 \
   --triton-url "http://127.0.0.1:$th" --triton-grpc "127.0.0.1:$tg" \
   --http-port "$ph" --grpc-port "$pg" --metrics-port "$pm" --no-unload \
@@ -39,7 +49,12 @@ hwm() { awk '/^VmHWM/{print $2}' "/proc/$1/status"; }
 echo "# $(date -u +%FT%TZ) $(nproc) cores, ${secs}s per point; CPU = utime+stime of the proxy process(es)"
 echo "tritonshare proxy idle RSS: $(( $(rss "$proxy") / 1024 )) MiB"
 export PY="$root/.venv/bin/python"
+# LABEL GRPC_PORT [PID...]: a failed stream shows on its line (Nok/Mfailed) and does not stop the run
+stream() { "$PY" bench/stream_bench.py "127.0.0.1:$2" --seconds "$secs" --label "$1" --pids "${@:3}" || true; }
 bash "$yard/proxy-bench.sh" direct identity "$th" "$tg" "$secs"
+stream direct "$tg"
 bash "$yard/proxy-bench.sh" nginx identity "$nh" "$ng" "$secs" $nginx_pids
+stream nginx "$ng" $nginx_pids
 bash "$yard/proxy-bench.sh" ours identity "$ph" "$pg" "$secs" "$proxy"
+stream ours "$pg" "$proxy"
 echo "tritonshare proxy RSS after load: $(( $(rss "$proxy") / 1024 )) MiB (peak $(( $(hwm "$proxy") / 1024 )) MiB)"
