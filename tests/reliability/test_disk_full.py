@@ -1,6 +1,8 @@
 """The node's disk fills up while a model is being fetched: the loader exits 15 with a message that says so and
 what to do, and leaves nothing in the repository or staging — whether the fill is one the space check could not
 see (no size announced), one that came after it (another writer), or an archive that inflates past the disk.
+A ``.tar.gz`` over HTTP is unpacked as it arrives (never stored): its members are counted against the free space
+as their headers come in, and a disk filled by another writer meanwhile fails the unpacking the same way.
 
 The node folder is a 16 MiB tmpfs; the loader is the ``tritonshare load`` console script, as a pod runs it."""
 
@@ -56,12 +58,29 @@ def assert_refused_for_space(node: Node, outcome_code: int, message: str, *fragm
     assert entries(node) == set(), "a load that ran out of space left something behind"
 
 
+@pytest.mark.parametrize(
+    ("name", "refusal"),
+    [
+        ("weights.bin", "weights.bin: the staging filesystem is full — free space on the node"),  # fills the disk
+        ("model.tar.gz", "model.tar.gz: unpacking 'model/1/weights.bin' would bring the model to"),  # streamed
+    ],
+    ids=["file", "tar.gz"],
+)
 def test_a_download_of_unannounced_size_that_fills_the_disk_exits_15_and_leaves_nothing(
-    small_disk: Node, triton: TritonServer, blob_server: Callable[..., BlobServer], model_name: str, tmp_path: Path
+    small_disk: Node,
+    triton: TritonServer,
+    blob_server: Callable[..., BlobServer],
+    model_name: str,
+    tmp_path: Path,
+    name: str,
+    refusal: str,
 ) -> None:
-    server = blob_server(model_archive(tmp_path, weights=os.urandom(24 << 20)), chunked=True)  # 24 MiB > 16 MiB
+    """A plain file fills the disk (ENOSPC); a streamed archive's members are counted against the free space
+    as their headers arrive, so the one that would not fit is refused before it is written."""
+    data = model_archive(tmp_path, weights=os.urandom(24 << 20))  # 24 MiB > 16 MiB
+    server = blob_server(data, name=name, chunked=True)
     outcome = run_load(small_disk, triton.url, server.url, model_name, "--timeout-s", "5", "--retries", "2")
-    assert_refused_for_space(small_disk, outcome.code, outcome.message, FULL, "model.tar.gz")
+    assert_refused_for_space(small_disk, outcome.code, outcome.message, refusal, "free space on the node")
     assert "0.0 MiB to download" in outcome.log  # the space check had nothing to go on
     assert os.statvfs(small_disk.root).f_bfree * os.statvfs(small_disk.root).f_frsize > 15 << 20  # space given back
 
@@ -75,7 +94,7 @@ def test_space_taken_by_another_writer_after_the_check_exits_15_and_leaves_nothi
     )
     outcome = run_load(small_disk, triton.url, server.url, model_name, "--timeout-s", "5", "--retries", "2")
     assert "6.0 MiB to download, 16.0 MiB free" in outcome.log  # the check passed: there was room then
-    assert_refused_for_space(small_disk, outcome.code, outcome.message, FULL)
+    assert_refused_for_space(small_disk, outcome.code, outcome.message, f"unpacking model.tar.gz: {FULL}")
     assert filler.exists()  # the other writer's file is not the loader's to remove
 
 

@@ -91,7 +91,7 @@ def _read_error(archive: Path, kind: str, exc: BaseException) -> TritonshareErro
     """A full disk is InsufficientSpace, another failed write a node problem (exit 1, as in the download
     engine); anything else means the archive itself is damaged or of another kind."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return InsufficientSpace(f"{archive.name}: the staging filesystem filled up while unpacking — free space")
+        return InsufficientSpace(f"unpacking {archive.name}: the staging filesystem is full — free space on the node")
     if isinstance(exc, OSError) and exc.errno is not None:
         return TritonshareError(f"{archive.name}: unpacking failed: {exc}")
     return InvalidModel(f"{archive.name}: not a readable {kind} archive ({exc}) — check the file")

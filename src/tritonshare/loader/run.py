@@ -5,8 +5,11 @@ Phases, each logged with its duration::
     triton    Triton answers (else exit 13 before anything is downloaded)
     list      the source's objects → listing digest → reuse, conflict (14) or go on
     space     listed bytes vs free space on the staging filesystem (15)
-    download  into a fresh staging folder
-    unpack    when the source is one archive file
+    download  into a fresh staging folder; a source that is one tar archive (.tar, .tar.gz, .tgz) in a store
+              that streams (HTTP, S3, GCS) is unpacked as it arrives, the archive never landing on disk (logged
+              as "download (unpacked as it arrived)"): its size and checksum are still verified over the
+              stream, and the unpacked files must fit in the free space
+    unpack    when the source is one archive file that had to land first (a zip, a file on a volume)
     check     find the model root, check it, set config.pbtxt's name
     gpu       only with --require-gpu-memory-mib: Triton's GPUs have that much free (15)
     publish   record + one rename into repository/NAME
@@ -24,6 +27,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -34,9 +38,7 @@ from tritonshare.common.lease import Heartbeat, LeaseStore
 from tritonshare.common.repository import InstallRecord, discard, new_staging_dir
 from tritonshare.common.triton import TritonClient
 from tritonshare.loader import sources
-from tritonshare.loader.archive import unpack, unpacker_for
 from tritonshare.loader.download import MIB, DownloadOptions, download_all, list_objects, listed_bytes
-from tritonshare.loader.gpu_check import check_gpu_memory
 from tritonshare.loader.install import Installed, existing, install, listing_digest, withdraw
 from tritonshare.loader.model import prepare
 from tritonshare.loader.readiness import MODES, wait_live
@@ -48,6 +50,7 @@ logger = logging.getLogger(__name__)
 DiskFree = Callable[[Path], int]  # bytes free on the filesystem holding a path
 SourceOpener = Callable[[str], Source]
 
+STREAMED = "unpacked as it arrived"  # the note on the download phase of a streamed tar
 WITHDRAW_TIMEOUT_S = 60.0  # how long a failed model may stay LOADING (Triton re-tries it) before we give up
 
 
@@ -56,22 +59,26 @@ def disk_free(path: Path) -> int:
 
 
 class Timings:
-    """Durations of the phases of one load, logged as each ends and together at the end."""
+    """Durations of the phases of one load, logged as each ends and together at the end. A phase may carry a
+    note on how it ran; its name stays one word, which log readers match (``phase (\\w+) took``)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.notes: dict[str, str] = {}
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str, note: str = "") -> Iterator[None]:
         started = time.monotonic()
+        if note:
+            self.notes[name] = f" ({note})"
         try:
             yield
         finally:
             self.seconds[name] = time.monotonic() - started
-            logger.info("phase %s took %.2f s", name, self.seconds[name])
+            logger.info("phase %s took %.2f s%s", name, self.seconds[name], self.notes.get(name, ""))
 
     def summary(self) -> str:
-        return ", ".join(f"{name} {secs:.2f} s" for name, secs in self.seconds.items())
+        return ", ".join(f"{name} {secs:.2f} s{self.notes.get(name, '')}" for name, secs in self.seconds.items())
 
 
 def run(
@@ -147,17 +154,15 @@ def _stage(
     timings: Timings,
     free: DiskFree,
 ) -> Installed:
-    """Download into a fresh staging folder, unpack, check, publish; the folder goes whatever happens."""
+    """Fetch into a fresh staging folder, check, publish; the folder goes whatever happens."""
     workspace = new_staging_dir(settings.layout, settings.name)
     try:
-        files = workspace / "download"
-        files.mkdir()
-        with timings.phase("download"):
-            download_all(source, objects, files, options)
-        top = _unpack_if_archive(files, objects, workspace, free, timings)
+        top = _fetch(_Fetch(source, objects, options, workspace, free, timings))
         with timings.phase("check"):
             root = prepare(top, settings.name, record.source)
         if settings.require_gpu_memory_mib:
+            from tritonshare.loader.gpu_check import check_gpu_memory  # prometheus_client: only for this check
+
             with timings.phase("gpu"):
                 check_gpu_memory(settings, record.source)
         with timings.phase("publish"):
@@ -166,19 +171,55 @@ def _stage(
         discard(workspace)
 
 
-def _unpack_if_archive(
-    files: Path, objects: list[RemoteObject], workspace: Path, free: DiskFree, timings: Timings
-) -> Path:
-    """A source that is one archive file (``…/model.tar.gz``) is unpacked; anything else is the model."""
-    if len(objects) != 1 or "/" in objects[0].relpath:
-        return files
-    archive = files / objects[0].relpath
+@dataclass(frozen=True)
+class _Fetch:
+    """What fetching the listed objects into a workspace needs."""
+
+    source: Source
+    objects: list[RemoteObject]
+    options: DownloadOptions
+    workspace: Path
+    free: DiskFree
+    timings: Timings
+
+
+def _fetch(job: _Fetch) -> Path:
+    """The model's files in the workspace; returns the folder holding them. One tar archive from a source
+    that streams is unpacked as it arrives; anything else is downloaded, and one archive file then unpacked."""
+    if len(job.objects) != 1 or "/" in job.objects[0].relpath:
+        return _download(job)  # a model folder: no archive code needed
+    from tritonshare.loader.stream_unpack import fetch_and_unpack, streamable  # tarfile, zipfile: for a lone file
+
+    stream = streamable(job.source, job.objects)
+    if stream is None:
+        return _unpack_if_archive(_download(job), job)
+    unpacked = job.workspace / "unpacked"
+    unpacked.mkdir()
+    with job.timings.phase("download", note=STREAMED):
+        fetch_and_unpack(*stream, unpacked, job.options, max_bytes=job.free(job.workspace))
+    return unpacked
+
+
+def _download(job: _Fetch) -> Path:
+    files = job.workspace / "download"
+    files.mkdir()
+    with job.timings.phase("download"):
+        download_all(job.source, job.objects, files, job.options)
+    return files
+
+
+def _unpack_if_archive(files: Path, job: _Fetch) -> Path:
+    """A lone file that is an archive (a zip, or any archive on a volume) is unpacked once it has landed;
+    another file is the model itself."""
+    from tritonshare.loader.archive import unpack, unpacker_for
+
+    archive = files / job.objects[0].relpath
     if unpacker_for(archive) is None:
         return files
-    unpacked = workspace / "unpacked"
+    unpacked = job.workspace / "unpacked"
     unpacked.mkdir()
-    with timings.phase("unpack"):
-        unpack(archive, unpacked, max_bytes=free(workspace))
+    with job.timings.phase("unpack"):
+        unpack(archive, unpacked, max_bytes=job.free(job.workspace))
     archive.unlink()
     return unpacked
 

@@ -123,6 +123,7 @@ class _Stream:
         self.deadline, self.clock = deadline, clock
         self.received = 0
         self.buffer = memoryview(bytearray(CHUNK_BYTES))
+        self.started = self.logged = clock()
 
     def run(self) -> int:
         """Returns the bytes received. A failure to receive comes first; then the size and checksum (damaged
@@ -203,7 +204,23 @@ class _Stream:
         if count and hasher is not None:
             hasher.update(buffer[:count])
         self.received += count
+        self._log_progress()
         return count
+
+    def _log_progress(self) -> None:
+        """Every ``progress_interval_s``, as the download engine does: a long transfer is not silent."""
+        now = self.clock()
+        if now - self.logged < self.options.progress_interval_s:
+            return
+        self.logged = now
+        of = f" of {self.obj.size / MIB:.1f}" if self.obj.size > 0 else ""
+        logger.info(
+            "downloading and unpacking %s: %.1f%s MiB, %.1f MiB/s",
+            self.obj.key,
+            self.received / MIB,
+            of,
+            self.received / MIB / max(now - self.started, 1e-9),
+        )
 
 
 def _open_writer(pipe: Path, reader: threading.Thread) -> int:
