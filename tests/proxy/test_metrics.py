@@ -83,3 +83,35 @@ def test_plain_counters_export_as_prometheus_families() -> None:
     assert value("tritonshare_proxy_refusals", "tritonshare_proxy_refusals_total", reason="not_found") == 1
     assert value("tritonshare_proxy_inflight_requests", "tritonshare_proxy_inflight_requests", protocol="rest") == 1
     assert value("tritonshare_proxy_upstream_errors", "tritonshare_proxy_upstream_errors_total") == 1
+
+
+def test_route_meters_share_the_protocol_gauge_and_tell_a_drain_when_the_last_request_ends() -> None:
+    from tritonshare.proxy.metrics import ProxyMetrics
+
+    metrics = ProxyMetrics("m")
+    infer, ready = metrics.meter("rest", "infer"), metrics.meter("rest", "model_ready")
+    assert metrics.meter("rest", "infer") is infer  # one meter per (protocol, route)
+    idle: list[int] = []
+    metrics.flight.on_idle = lambda: idle.append(metrics.flight.value)
+
+    started = [infer.begin(), infer.begin(), metrics.begin("grpc")]
+    assert metrics.inflight_gauge("rest").value == 2 and metrics.flight.value == 3
+    infer.end("200", started[0])
+    ready.end("499", started[1])  # the same protocol's gauge, whichever route names the end
+    assert metrics.inflight_gauge("rest").value == 0 and idle == []  # gRPC still has one in flight
+    metrics.meter("grpc", "ModelInfer").end("OK", started[2])
+    assert idle == [0] and metrics.inflight_gauge("grpc").value == 0
+
+    text = metrics.exposition().decode()
+    requests = {
+        (s.labels["route"], s.labels["code"]): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "tritonshare_proxy_requests_total"
+    }
+    assert requests == {("infer", "200"): 1, ("model_ready", "499"): 1, ("ModelInfer", "OK"): 1}
+    hist = "tritonshare_proxy_request_duration_seconds_count"
+    counts = {
+        s.labels["route"]: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == hist
+    }
+    assert counts == {"infer": 1, "model_ready": 1, "ModelInfer": 1}

@@ -1,15 +1,20 @@
 """The proxy's Prometheus metrics, on a registry of its own (so tests can run several proxies).
 
-The request path only bumps plain Python numbers in dicts; a :class:`prometheus_client` collector turns them
-into metric families when ``/metrics`` is scraped. ``Counter.labels().inc()`` and ``Histogram.observe()``
-take locks and build label keys on every call — measured at ~30k instructions per request, about as much
-as the whole REST forwarding path — which a sidecar paid once per request cannot afford.
+The request path only bumps plain Python numbers; a :class:`prometheus_client` collector turns them into
+metric families when ``/metrics`` is scraped. ``Counter.labels().inc()`` and ``Histogram.observe()`` take
+locks and build label keys on every call — measured at ~30k instructions per request, about as much as the
+whole REST forwarding path — which a sidecar paid once per request cannot afford.
+
+Each (protocol, route) has a :class:`RouteMeter`: a front end that knows a request's route when it forwards it
+keeps the meter (the REST front end keeps it with the judged head) and records through it, building no label
+key per request. The meters share their protocol's in-flight gauge and one :class:`Flight` for the whole proxy.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from time import perf_counter
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -56,12 +61,66 @@ class Inflight:
         self.value -= 1
 
 
+class Flight:
+    """Requests in flight in the whole proxy (every protocol), and who to tell when the count drops to zero
+    (``on_idle``, set only while a drain waits)."""
+
+    __slots__ = ("value", "on_idle")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.on_idle: Callable[[], object] | None = None
+
+
+class RouteMeter:
+    """The numbers of one (protocol, route): requests by status code, their latency, and the in-flight counts
+    it shares (its protocol's gauge, the proxy's :class:`Flight`). Per request: :meth:`begin` when the request
+    is forwarded, :meth:`end` when its response is complete — or only :meth:`end` with ``started`` from
+    elsewhere (another meter's :meth:`begin` of the same protocol, or :meth:`ProxyMetrics.begin`)."""
+
+    __slots__ = ("gauge", "flight", "latency", "codes")
+
+    def __init__(self, gauge: Inflight, flight: Flight) -> None:
+        self.gauge = gauge
+        self.flight = flight
+        self.latency = Histogram()
+        self.codes: dict[str, int] = {}
+
+    def begin(self) -> float:
+        """A request was forwarded: returns its start time for :meth:`end`."""
+        self.gauge.value += 1
+        self.flight.value += 1
+        return perf_counter()
+
+    def end(self, code: str, started: float) -> None:
+        """Its response is complete (or it failed) with ``code``."""
+        seconds = perf_counter() - started
+        codes = self.codes  # record(), inlined: once per request
+        codes[code] = codes.get(code, 0) + 1
+        latency = self.latency
+        latency.counts[bisect_left(BUCKETS, seconds)] += 1
+        latency.total += seconds
+        self.gauge.value -= 1
+        flight = self.flight
+        flight.value -= 1
+        if flight.value == 0 and flight.on_idle is not None:
+            flight.on_idle()
+
+    def record(self, code: str, seconds: float) -> None:
+        """An answer with ``code`` after ``seconds`` (not counted in flight: refusals and local answers)."""
+        codes = self.codes
+        codes[code] = codes.get(code, 0) + 1
+        latency = self.latency
+        latency.counts[bisect_left(BUCKETS, seconds)] += 1
+        latency.total += seconds
+
+
 class ProxyMetrics(Collector):
     def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.model = model
-        self._requests: dict[tuple[str, str, str], int] = {}  # (protocol, route, code)
-        self._latency: dict[tuple[str, str], Histogram] = {}  # (protocol, route)
+        self.flight = Flight()
+        self._meters: dict[tuple[str, str], RouteMeter] = {}  # (protocol, route)
         self._refusals: dict[tuple[str, str, str], int] = {}  # (protocol, route, reason)
         self._inflight: dict[str, Inflight] = {}
         self._upstream_errors: dict[str, int] = {}
@@ -69,15 +128,20 @@ class ProxyMetrics(Collector):
 
     # -- the request path ------------------------------------------------------------------------------
 
+    def meter(self, protocol: str, route: str) -> RouteMeter:
+        meter = self._meters.get((protocol, route))
+        if meter is None:
+            meter = self._meters[protocol, route] = RouteMeter(self.inflight_gauge(protocol), self.flight)
+        return meter
+
+    def begin(self, protocol: str) -> float:
+        """A request of ``protocol`` was forwarded, its route to be named at the end (see :class:`RouteMeter`)."""
+        self.inflight_gauge(protocol).value += 1
+        self.flight.value += 1
+        return perf_counter()
+
     def observe(self, protocol: str, route: str, code: str, seconds: float) -> None:
-        key = (protocol, route, code)
-        self._requests[key] = self._requests.get(key, 0) + 1
-        lkey = (protocol, route)
-        hist = self._latency.get(lkey)
-        if hist is None:
-            hist = self._latency[lkey] = Histogram()
-        hist.counts[bisect_left(BUCKETS, seconds)] += 1  # Histogram.observe, inlined: once per request
-        hist.total += seconds
+        self.meter(protocol, route).record(code, seconds)
 
     def refused(self, protocol: str, route: str, reason: str) -> None:
         key = (protocol, route, reason)
@@ -104,16 +168,19 @@ class ProxyMetrics(Collector):
             "Requests answered, by protocol, route and status code.",
             labels=["model", "protocol", "route", "code"],
         )
-        for (protocol, route, code), n in list(self._requests.items()):
-            requests.add_metric([model, protocol, route, code], n)
+        meters = list(self._meters.items())
+        for (protocol, route), meter in meters:
+            for code, n in list(meter.codes.items()):
+                requests.add_metric([model, protocol, route, code], n)
         yield requests
         latency = HistogramMetricFamily(
             "tritonshare_proxy_request_duration_seconds",
             "Time from request start to the end of its response.",
             labels=["model", "protocol", "route"],
         )
-        for (protocol, route), hist in list(self._latency.items()):
-            latency.add_metric([model, protocol, route], hist.cumulative(), hist.total)
+        for (protocol, route), meter in meters:
+            if meter.codes:  # a route judged but never answered yet has no latency to show
+                latency.add_metric([model, protocol, route], meter.latency.cumulative(), meter.latency.total)
         yield latency
         refusals = CounterMetricFamily(
             "tritonshare_proxy_refusals",

@@ -27,11 +27,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tritonshare.common.errors import UsageError
 from tritonshare.proxy import admission, auth
 from tritonshare.proxy.http1 import RequestHead, parse_request_head, upstream_head
+from tritonshare.proxy.metrics import RouteMeter
 from tritonshare.proxy.policy import RestDecision, judge_rest
 from tritonshare.proxy.rest_connection import WHOLE_BODY_BYTES, ClientConnection
 from tritonshare.proxy.rest_upstream import PROTOCOL, UpstreamPool
@@ -73,12 +75,20 @@ class Judged:
     open: bool  # needs no bearer token (when authentication is on)
     quick: bool  # may take the short path, given its whole body without the shared-memory marker
     length: int  # Content-Length (0 without one)
+    meter: RouteMeter  # the route's request accounting
+    verbatim: bool  # the head for Triton is the client's head, byte for byte: forward the client's bytes as they are
 
 
-def judge_head(raw: bytes, rules: HeadRules, decisions: dict[tuple[str, str], RestDecision] | None = None) -> Judged:
+def judge_head(
+    raw: bytes,
+    rules: HeadRules,
+    meter_of: Callable[[str], RouteMeter],
+    decisions: dict[tuple[str, str], RestDecision] | None = None,
+) -> Judged:
     """Parse a request head (raises :class:`~tritonshare.proxy.http1.HttpError`), judge it, and build what
-    forwarding it needs. ``decisions`` memoises the policy's verdicts by method and target (heads that differ
-    only in other headers, such as a request id a mesh adds, then skip the policy's path parsing)."""
+    forwarding it needs, with the route's meter from ``meter_of``. ``decisions`` memoises the policy's verdicts
+    by method and target (heads that differ only in other headers, such as a request id a mesh adds, then skip
+    the policy's path parsing)."""
     head = parse_request_head(raw, rules.strip)
     key = (head.method, head.target)
     decision = decisions.get(key) if decisions is not None else None
@@ -90,8 +100,9 @@ def judge_head(raw: bytes, rules: HeadRules, decisions: dict[tuple[str, str], Re
             decisions[key] = decision
     route, length = decision.route, head.content_length or 0
     limited, open_ = route in admission.LIMITED_ROUTES, route in auth.OPEN_REST_ROUTES
+    meter = meter_of(route)
     if decision.status:
-        return Judged(head, decision, route, b"", False, None, False, limited, open_, False, length)
+        return Judged(head, decision, route, b"", False, None, False, limited, open_, False, length, meter, False)
     inspect = decision.rule is not None and decision.rule.inspect and head.has_body
     # Only infer has the binary-tensor extension: generate parses the whole body, whatever the header says.
     json_length = head.inference_header_length if route == "infer" else None
@@ -106,7 +117,10 @@ def judge_head(raw: bytes, rules: HeadRules, decisions: dict[tuple[str, str], Re
         and (open_ or not rules.authenticating)
     )
     upstream = upstream_head(head, decision.upstream_path, rules.host)
-    return Judged(head, decision, route, upstream, inspect, json_length, whole, limited, open_, quick, length)
+    verbatim = upstream == raw + b"\r\n\r\n"
+    return Judged(
+        head, decision, route, upstream, inspect, json_length, whole, limited, open_, quick, length, meter, verbatim
+    )
 
 
 class RestFrontend:
@@ -193,12 +207,15 @@ class RestFrontend:
         the head's bytes."""
         judged = self.heads.get(raw)
         if judged is None:
-            judged = judge_head(raw, self.rules, self.decisions)
+            judged = judge_head(raw, self.rules, self._meter, self.decisions)
             if len(raw) <= _MEMO_HEAD_BYTES:
                 if len(self.heads) >= _HEAD_MEMO:
                     self.heads.clear()
                 self.heads[raw] = judged
         return judged
+
+    def _meter(self, route: str) -> RouteMeter:
+        return self.state.metrics.meter(PROTOCOL, route)
 
     def _sweep(self) -> None:
         loop = asyncio.get_running_loop()

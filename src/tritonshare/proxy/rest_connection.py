@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, cast
 
 from tritonshare.proxy import admission, auth
 from tritonshare.proxy.http1 import CONTINUE, HttpError, ResponseHead, error_response
-from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_plain_body, might_name_shm
-from tritonshare.proxy.policy import REST_SERVER_ROUTES
+from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_plain_body
+from tritonshare.proxy.policy import REST_SERVER_ROUTES, SHM_MARKER
 from tritonshare.proxy.rest_upstream import CONNECTING, PROTOCOL, Upstream
 
 if TYPE_CHECKING:
@@ -74,6 +74,18 @@ class Exchange:
         self.started = 0.0
         return self
 
+    @classmethod
+    def sent_whole(cls) -> Exchange:
+        """The short path's exchange, made once per connection: a request forwarded whole in one write,
+        holding no admission slot. Nothing changes those fields while it is in progress (a body, a ticket, a
+        slot are set only before a request is forwarded whole), so per request only ``judged``, ``started``
+        and ``response_done`` are set."""
+        ex = cls()
+        ex.body = ex.ticket = None
+        ex.forwarded = ex.request_done = True
+        ex.response_done = ex.holding = False
+        return ex
+
 
 class ClientConnection(asyncio.Protocol):
     def __init__(self, frontend: RestFrontend) -> None:
@@ -85,7 +97,11 @@ class ClientConnection(asyncio.Protocol):
         self.buf = b""  # client bytes not yet acted on
         self.exchange: Exchange | None = None  # the request in progress: ``spare`` restarted, or None
         self.spare = Exchange()
-        self.last_head = b""  # the last head found in the memo, and its judgement
+        self.sent = Exchange.sent_whole()  # the short path's
+        # The last request taken whole from the memo: its head (with the blank line), its size with its body,
+        # and its judgement. A client that repeats it costs one comparison (no search, no hashing).
+        self.last_head = b""
+        self.last_size = 0
         self.last_judged: Judged | None = None
         self.close_after = False  # close once the current exchange ends
         self.drain_grace = False  # the request in progress when draining began may still complete
@@ -105,31 +121,38 @@ class ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.exchange is None and not self.buf and not self.closing:
             # The common case: a whole request in one read, its head judged before (the memo) as needing no
-            # more than a look for the shared-memory marker in its body; one write to Triton.
-            head, end, rest = data.partition(b"\r\n\r\n")
-            if end and head == self.last_head:  # a client repeats its head: comparing costs less than hashing
-                judged = self.last_judged
-            else:
-                judged = self.heads.get(head) if end else None
-                if judged is not None:
-                    self.last_head, self.last_judged = head, judged
+            # more than a look for the shared-memory marker (anywhere in the bytes: one in the head only sends
+            # the request the long way, which checks it properly); one write to Triton.
+            judged = self.last_judged
+            if judged is None or len(data) != self.last_size or data[: len(self.last_head)] != self.last_head:
+                judged = self._recall(data)
             if (
                 judged is not None
                 and judged.quick
-                and len(rest) == judged.length
                 and not self.state.draining
-                and not (judged.inspect and might_name_shm(rest))
+                # might_name_shm(data), inlined (a call costs as much as the two searches)
+                and not (judged.inspect and (data.partition(SHM_MARKER)[1] or data.partition(b"\\u")[1]))
             ):
-                ex = self.exchange = self.spare.start(judged)
-                ex.request_done = ex.forwarded = True
+                ex = self.exchange = self.sent
+                ex.judged, ex.response_done = judged, False
                 self.drain_grace = False
-                ex.started = self.state.begin(PROTOCOL)
+                ex.started = judged.meter.begin()
                 upstream = self.upstream if self.upstream is not None else self._upstream()
-                upstream.request(judged.upstream + rest if rest else judged.upstream)
+                upstream.request(data if judged.verbatim else judged.upstream + data[len(self.last_head) :])
                 return
         if self.buf:
             data, self.buf = self.buf + data, b""
         self._consume(data)
+
+    def _recall(self, data: bytes) -> Judged | None:
+        """The memo's judgement of ``data`` when it is exactly one request, head and whole body (remembered
+        as the last one); else None."""
+        head, end, rest = data.partition(b"\r\n\r\n")
+        judged = self.heads.get(head) if end else None
+        if judged is None or len(rest) != judged.length:
+            return None
+        self.last_head, self.last_size, self.last_judged = data[: len(data) - len(rest)], len(data), judged
+        return judged
 
     def eof_received(self) -> bool:
         ex = self.exchange
@@ -151,7 +174,7 @@ class ClientConnection(asyncio.Protocol):
                 ex.ticket.cancel()  # it was waiting for a slot
                 ex.ticket = None
             if ex.forwarded and not ex.response_done:
-                self.state.end(PROTOCOL, ex.judged.route, "499", ex.started)  # the client went away first
+                ex.judged.meter.end("499", ex.started)  # the client went away first
                 if ex.holding and ex.request_done and upstream is not None:
                     # Triton computes it all the same: the slot stays taken until Triton has answered.
                     upstream.orphan(self.state.admission.release)
@@ -356,7 +379,7 @@ class ClientConnection(asyncio.Protocol):
     def _begin(self, ex: Exchange, data: bytes) -> None:
         """Forward: the request is in flight from here on."""
         ex.forwarded = True
-        ex.started = self.state.begin(PROTOCOL)
+        ex.started = ex.judged.meter.begin()
         self._upstream().request(data)
 
     def _request_done(self, ex: Exchange) -> None:
@@ -420,7 +443,7 @@ class ClientConnection(asyncio.Protocol):
             self.state.refuse(PROTOCOL, "malformed", str(status), reason)
         elif not ex.response_done:
             if ex.forwarded:
-                self.state.end(PROTOCOL, ex.judged.route, str(status), ex.started)
+                ex.judged.meter.end(str(status), ex.started)
             else:
                 self.state.refuse(PROTOCOL, ex.judged.route, str(status), reason)
             self._settle(ex)
@@ -485,14 +508,14 @@ class ClientConnection(asyncio.Protocol):
         if upstream is self.upstream:
             self.upstream = None
 
-    def response_done(self, head: ResponseHead, *, extra: bool) -> None:
+    def response_done(self, head: ResponseHead, extra: bool) -> None:
         ex = self.exchange
         if ex is None:
             return
         ex.response_done = True  # _settle, inline: every request passes here
         if ex.holding:
             self._settle(ex)
-        self.state.end(PROTOCOL, ex.judged.route, head.code, ex.started)
+        ex.judged.meter.end(head.code, ex.started)
         if head.close or extra or not ex.request_done:
             self._drop_upstream()
             if not ex.request_done:  # Triton answered before the body ended: the rest cannot follow

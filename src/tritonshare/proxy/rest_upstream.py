@@ -44,7 +44,7 @@ class UpstreamOwner(Protocol):
 
     def unpause(self, reason: int) -> None: ...
 
-    def response_done(self, head: ResponseHead, *, extra: bool) -> None:
+    def response_done(self, head: ResponseHead, extra: bool) -> None:
         """The response is complete (``extra``: Triton sent bytes past it; the upstream is not reusable)."""
 
     def response_failed(self, *, answered: bool) -> None:
@@ -70,6 +70,11 @@ class Upstream(asyncio.Protocol):
         self.queued: list[bytes | memoryview] = []  # written while connecting
         self.reader: ResponseReader | None = None  # the response, unless it came whole in one read
         self.expecting = False  # a request went out and its response is not complete
+        # The last response that came whole in one read: its size, its head's size and bytes, the parsed head.
+        # A response of the same bytes' shape (same head, so same length) is recognised by one comparison.
+        self.whole_size = -1
+        self.whole_head = b""
+        self.whole: ResponseHead | None = None
 
     @property
     def answered(self) -> bool:
@@ -145,12 +150,19 @@ class Upstream(asyncio.Protocol):
             return
         reader = self.reader
         if reader is None:
-            head = whole_response(data, self.pool.response_heads) if not owner.close_after else None
+            if owner.close_after:
+                head = None
+            elif len(data) == self.whole_size and data[: len(self.whole_head)] == self.whole_head:
+                head = self.whole
+            else:
+                head = whole_response(data, self.pool.response_heads)
+                if head is not None:
+                    self._remember(data, head)
             if head is not None:  # the common case: the whole response in one read, passed on untouched
                 self.expecting = False
                 if owner.transport is not None:
                     owner.transport.write(data)
-                owner.response_done(head, extra=False)
+                owner.response_done(head, False)
                 return
             reader = self.reader = ResponseReader(self.pool.response_heads)
         reader.close = owner.close_after
@@ -164,7 +176,12 @@ class Upstream(asyncio.Protocol):
         if reader.done:
             assert reader.head is not None
             self.expecting = False
-            owner.response_done(reader.head, extra=reader.extra)
+            owner.response_done(reader.head, reader.extra)
+
+    def _remember(self, data: bytes, head: ResponseHead) -> None:
+        """``data`` is one whole response with this head (so its body is ``head.content_length`` bytes)."""
+        assert head.content_length is not None
+        self.whole_size, self.whole_head, self.whole = len(data), data[: len(data) - head.content_length], head
 
     def eof_received(self) -> bool:
         return False
@@ -181,7 +198,7 @@ class Upstream(asyncio.Protocol):
         reader = self.reader or ResponseReader(self.pool.response_heads)
         if reader.eof():
             assert reader.head is not None
-            owner.response_done(reader.head, extra=False)  # a response delimited by the close
+            owner.response_done(reader.head, False)  # a response delimited by the close
         else:
             self._failed(owner, reader, f"connection to Triton lost: {exc or 'closed'}")
 
@@ -216,7 +233,7 @@ class Orphan:
     def unpause(self, reason: int) -> None:
         pass
 
-    def response_done(self, head: ResponseHead, *, extra: bool) -> None:
+    def response_done(self, head: ResponseHead, extra: bool) -> None:
         self._done()
         if head.close or extra:
             self.upstream.close()

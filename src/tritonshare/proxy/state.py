@@ -66,26 +66,20 @@ class ProxyState:
         self.auth = BearerTokens(settings.auth_token_file, registry=registry) if settings.auth_token_file else None
         self.tls = TlsCertificates.from_options(settings.tls_cert, settings.tls_key, registry=registry)
         self.draining = False
-        self._inflight = 0
-        self._idle: asyncio.Event | None = None  # made only while a drain waits for the last request
+        self._flight = self.metrics.flight  # in flight, every protocol: what a drain waits for
 
     @property
     def inflight(self) -> int:
-        return self._inflight
+        return self._flight.value
 
     def begin(self, protocol: str) -> float:
-        """A request was forwarded to Triton; returns its start time for :meth:`end`. (Per request: kept
-        to a few attribute operations.)"""
-        self._inflight += 1
-        self.metrics.inflight_gauge(protocol).value += 1
-        return time.perf_counter()
+        """A request was forwarded to Triton; returns its start time for :meth:`end`. (A front end that knows
+        the route when it forwards may use the route's :meth:`~tritonshare.proxy.metrics.ProxyMetrics.meter`
+        instead: the same accounting without a label lookup.)"""
+        return self.metrics.begin(protocol)
 
     def end(self, protocol: str, route: str, code: str, started: float) -> None:
-        self._inflight -= 1
-        self.metrics.inflight_gauge(protocol).value -= 1
-        self.metrics.observe(protocol, route, code, time.perf_counter() - started)
-        if self._inflight == 0 and self._idle is not None:
-            self._idle.set()
+        self.metrics.meter(protocol, route).end(code, started)
 
     def refuse(self, protocol: str, route: str, code: str, reason: str) -> None:
         """A request the proxy answered itself without reaching Triton."""
@@ -102,14 +96,15 @@ class ProxyState:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
-            if self._inflight:
-                self._idle = asyncio.Event()
+            if self._flight.value:
+                idle = asyncio.Event()
+                self._flight.on_idle = idle.set  # made only while a drain waits: nothing to do per request
                 try:
-                    await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - loop.time()))
+                    await asyncio.wait_for(idle.wait(), max(0.0, deadline - loop.time()))
                 except TimeoutError:
                     return False
                 finally:
-                    self._idle = None
+                    self._flight.on_idle = None
             if self.admission.idle:
                 return True
             if loop.time() >= deadline:
