@@ -130,6 +130,12 @@ def main(log_format: str, log_level: str) -> None:
 @option("--retries", type=click.IntRange(min=0), default=5, help="Retries per object on transient errors.")
 @option("--concurrency", type=click.IntRange(min=1, max=256), default=16, help="Objects downloaded at once.")
 @option(
+    "--poll-interval-s",
+    type=click.FloatRange(min=0.01),
+    default=0.1,
+    help="How often Triton is asked whether the model is ready (and, until it is, for its repository index).",
+)
+@option(
     "--require-gpu-memory-mib",
     type=click.IntRange(min=0),
     default=0,
@@ -163,6 +169,7 @@ def load(
     stall_timeout_s: float,
     retries: int,
     concurrency: int,
+    poll_interval_s: float,
     require_gpu_memory_mib: int,
     triton_metrics_url: str | None,
     termination_log: Path,
@@ -190,6 +197,7 @@ def load(
         stall_timeout_s=stall_timeout_s,
         retries=retries,
         concurrency=concurrency,
+        poll_interval_s=poll_interval_s,
         require_gpu_memory_mib=require_gpu_memory_mib,
         triton_metrics_url=triton_metrics_url or None,
         termination_log=termination_log,

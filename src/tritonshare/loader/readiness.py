@@ -35,6 +35,10 @@ Sleep = Callable[[float], None]
 
 UNLOADED = "unloaded"  # Triton's reason for a model it unloaded on purpose
 STALE_GRACE_S = 30.0  # twice Triton's default --repository-poll-secs (15)
+# How often a waiter looks. Measured against Triton 2.51 (POLL 1 s, 10 loads each): the loader noticed a ready
+# model 115 ms (median) after Triton first answered ready when looking every 0.25 s, 67 ms every 0.1 s. A look
+# is one GET of NAME's readiness, plus one read of the repository index while NAME is not ready.
+POLL_INTERVAL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ class PollWaiter:
     client: TritonClient
     name: str
     timeout_s: float
-    interval_s: float = 0.25
+    interval_s: float = POLL_INTERVAL_S
     stale_grace_s: float = STALE_GRACE_S
     clock: Clock = time.monotonic
     sleep: Sleep = time.sleep
@@ -125,11 +129,11 @@ class PollWaiter:
         )
 
 
-def wait_polled(client: TritonClient, name: str, *, timeout_s: float, interval_s: float = 0.25) -> None:
+def wait_polled(client: TritonClient, name: str, *, timeout_s: float, interval_s: float = POLL_INTERVAL_S) -> None:
     PollWaiter(client, name, timeout_s, interval_s).wait()
 
 
-def load_explicitly(client: TritonClient, name: str, *, timeout_s: float, interval_s: float = 0.25) -> None:
+def load_explicitly(client: TritonClient, name: str, *, timeout_s: float, interval_s: float = POLL_INTERVAL_S) -> None:
     """Ask Triton to load NAME and report its answer; the call lasts as long as the load, so there is
     nothing to poll (``interval_s`` is unused)."""
     loader = TritonClient(client.url, timeout_s=max(timeout_s, 0.1))
@@ -157,7 +161,7 @@ def wait_live(
     client: TritonClient,
     *,
     timeout_s: float,
-    interval_s: float = 0.25,
+    interval_s: float = POLL_INTERVAL_S,
     clock: Clock = time.monotonic,
     sleep: Sleep = time.sleep,
 ) -> None:
