@@ -363,6 +363,11 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 10) -> None:
         time.sleep(0.02)
 
 
+def waiting_after_all_sent(samples: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> bool:
+    queued = metric(samples, "tritonshare_proxy_admission_queued_total")
+    return queued == 3 and metric(samples, "tritonshare_proxy_admission_waiting") >= 1
+
+
 def test_sigterm_lets_waiting_calls_finish(
     start_proxy: StartProxy,
     recording_model: Callable[[float], RecordingModel],
@@ -376,7 +381,10 @@ def test_sigterm_lets_waiting_calls_finish(
         target=lambda: outcomes.extend(infer_all(client, model.name, [0, 1, 2, 3], spacing_s=0.05))
     )
     sender.start()
-    time.sleep(0.25)  # one call at Triton, three waiting
+    deadline = time.monotonic() + 30  # every call sent, one at Triton, the others waiting (polled: a busy node
+    while not waiting_after_all_sent(scrape(proxy)):  # may be slow to send them)
+        assert time.monotonic() < deadline and sender.is_alive(), outcomes
+        time.sleep(0.02)
     proxy.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
     sender.join()
     assert codes(outcomes) == ["OK"] * 4

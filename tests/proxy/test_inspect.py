@@ -43,6 +43,7 @@ def test_the_quick_look_lets_through_only_json_that_cannot_name_a_parameter() ->
     assert might_name_shm(json.dumps(CLEAN).encode())  # the words as a value: the full check decides
     assert might_name_shm(b'{"parameters": {"shared\\u005fmemory_region": "r"}}')  # any escape counts
     assert might_name_shm(b'{"a": "\\u00e9"}')
+    assert might_name_shm(b'{"a": "say \\"hi\\""}')  # any backslash: the full check decides
 
 
 @pytest.mark.parametrize("where", ["request", "input", "output"])

@@ -53,14 +53,19 @@ class _ShmKey(Exception):
         self.key = key
 
 
+ESCAPE = b"\\"  # a JSON string escape starts with it
+
+
 def might_name_shm(part: bytes) -> bool:
-    """False when this JSON cannot name a shared-memory parameter: it has neither the marker nor a ``\\u``
-    escape (which could spell one).
+    """False when this JSON cannot name a shared-memory parameter: it has neither the marker nor a backslash
+    (a ``\\u`` escape could spell the marker; any escape sends the body to the full check, which is rare in
+    infer requests and only slower).
 
     Per request, so written for CPython's cost (callgrind, 3.11): ``partition`` takes one argument and, when
     nothing is found, returns ``part`` itself (~850 instructions); ``find`` parses its arguments as a tuple
-    (~1,350), and ``in`` first tries the operand as an integer, raising and clearing a TypeError (~2,500)."""
-    return bool(part.partition(SHM_MARKER)[1] or part.partition(b"\\u")[1])
+    (~1,350), and ``in`` first tries the operand as an integer, raising and clearing a TypeError (~2,500). A
+    one-byte separator is a ``memchr``: a third of the time of looking for ``\\u``."""
+    return bool(part.partition(SHM_MARKER)[1] or part.partition(ESCAPE)[1])
 
 
 def check_json(part: bytes) -> None:

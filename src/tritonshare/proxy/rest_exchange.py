@@ -1,0 +1,47 @@
+"""One request on a REST client connection (:mod:`tritonshare.proxy.rest_connection`), from its head to the
+end of its response: what has happened to it so far."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tritonshare.proxy import admission
+    from tritonshare.proxy.inspect import RequestBody
+    from tritonshare.proxy.rest import Judged
+
+
+class Exchange:
+    """One request on a client connection, from its head to the end of its response. A connection carries
+    one request at a time, so it keeps one Exchange and restarts it per request (:meth:`start`): resetting
+    the fields costs a third of what building a new object does, on the path every request takes."""
+
+    __slots__ = ("judged", "body", "forwarded", "started", "request_done", "response_done", "holding", "ticket")
+
+    judged: Judged
+    body: RequestBody | None  # a body still to read
+    forwarded: bool  # sent to Triton (counted in flight from then on)
+    started: float
+    request_done: bool
+    response_done: bool
+    holding: bool  # holds an admission slot
+    ticket: admission.Ticket | None  # waiting for an admission slot
+
+    def start(self, judged: Judged) -> Exchange:
+        self.judged = judged
+        self.body = self.ticket = None
+        self.forwarded = self.request_done = self.response_done = self.holding = False
+        self.started = 0.0
+        return self
+
+    @classmethod
+    def sent_whole(cls) -> Exchange:
+        """The short path's exchange, made once per connection: a request forwarded whole in one write,
+        holding no admission slot. Nothing changes those fields while it is in progress (a body, a ticket, a
+        slot are set only before a request is forwarded whole), so per request only ``judged``, ``started``
+        and ``response_done`` are set."""
+        ex = cls()
+        ex.body = ex.ticket = None
+        ex.forwarded = ex.request_done = True
+        ex.response_done = ex.holding = False
+        return ex
