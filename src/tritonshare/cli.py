@@ -2,7 +2,9 @@
 
 Every option can also be set as ``TRITONSHARE_<OPTION>`` (``--triton-url`` → ``TRITONSHARE_TRITON_URL``),
 the same name for every subcommand, so one ConfigMap can feed the loader and the proxy of a pod.
-Heavy modules are imported inside the commands: the proxy pod should not pay for boto3.
+Each command imports its modules inside its body, so a command loads only what it runs: the proxy none of
+the loader, the loader none of the proxy (and within the loader, a source's scheme, the archive code and the
+GPU check only when used).
 """
 
 from __future__ import annotations
