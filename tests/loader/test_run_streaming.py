@@ -1,7 +1,7 @@
-"""``tritonshare load`` of a ``.tar.gz`` over HTTP: the archive is unpacked as it arrives and never lands in staging,
-against a real HTTP server and the real Triton. A damaged archive exits with its code and leaves nothing: bytes
-damaged in transit are a transient failure (11, retried first), an archive damaged at the source is the source's
-fault (10, not retried), an archive whose member climbs out is refused (10)."""
+"""``tritonshare load`` of a ``.tar.gz`` over HTTP (and from S3 and GCS): the archive is unpacked as it arrives and
+never lands in staging, against real storage servers and the real Triton. A damaged archive exits with its code
+and leaves nothing: bytes damaged in transit are a transient failure (11, retried first), an archive damaged at
+the source is the source's fault (10, not retried), an archive whose member climbs out is refused (10)."""
 
 from __future__ import annotations
 
@@ -135,6 +135,28 @@ def test_a_tar_gz_over_http_is_unpacked_as_it_arrives_never_stored_and_served(
     first = read_record(layout.model_dir(model_name))
     assert run(conf) == ExitCode.OK  # the record of a streamed install is the one a restarted loader finds
     assert read_record(layout.model_dir(model_name)) == first and "already holds" in caplog.text
+
+
+@pytest.mark.parametrize("store", ["s3_server", "gcs_server"])
+def test_a_tar_gz_in_s3_or_gcs_is_streamed_too(
+    store: str,
+    request: pytest.FixtureRequest,
+    layout: NodeLayout,
+    triton: TritonServer,
+    model: Path,
+    model_name: str,
+    tmp_path: Path,
+    cleanup: list[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    archive = make_tar(model, tmp_path / "model.tar.gz", arcname="model")
+    uri = request.getfixturevalue(store).put("models", "archives/model.tar.gz", archive.read_bytes())
+    caplog.set_level(logging.INFO, logger="tritonshare")
+    cleanup.append(model_name)
+    assert run(settings(layout, triton, uri, model_name)) == ExitCode.OK
+    assert "s (unpacked as it arrived)" in caplog.text and "phase unpack took" not in caplog.text
+    assert tree_bytes(layout.model_dir(model_name))["1/weights.bin"] == (model / "1" / "weights.bin").read_bytes()
+    assert TritonClient(triton.url).model_ready(model_name)
 
 
 def room_for(staging: Path, prefix: str, capacity: int) -> Callable[[Path], int]:
