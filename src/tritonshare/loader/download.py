@@ -179,13 +179,15 @@ class _Transfer:
         self, source: Source, options: DownloadOptions, clock: Clock, sleep: Sleep | None, rand: Random
     ) -> None:
         self.source = source
+        # checked once: isinstance against a runtime-checkable protocol costs ~40 µs, per object it added up
+        self.stream: StreamSource | None = source if isinstance(source, StreamSource) else None
         self.options = options
         self.clock = clock
         self.sleep = sleep
         self.rand = rand
         self.cancelled = threading.Event()
         self.local = threading.local()
-        self.splits: list[Split] = []  # closed (their memory maps) when the transfer ends, however it ends
+        self.splits: list[Split] = []  # closed (their hasher threads) when the transfer ends, however it ends
         self.lock = threading.Lock()
         self.bytes_done = 0
         self.objects_done = 0
@@ -196,17 +198,19 @@ class _Transfer:
 
     def run(self, plan: list[tuple[RemoteObject, Path]]) -> DownloadStats:
         self.total = listed_bytes(obj for obj, _ in plan)
-        tasks = [task for obj, target in plan for task in self._tasks(obj, target)]
-        workers = max(1, min(self.options.concurrency, len(tasks)))
-        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tritonshare-download")
+        pool: ThreadPoolExecutor | None = None
         try:
+            tasks = [task for obj, target in plan for task in self._tasks(obj, target)]
+            workers = max(1, min(self.options.concurrency, len(tasks)))
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tritonshare-download")
             futures = [pool.submit(task) for task in tasks]
             self._wait(futures, len(plan))
         finally:
             self.cancelled.set()  # a no-op after success; after a failure it stops the other workers
-            pool.shutdown(wait=True, cancel_futures=True)
-            for split in self.splits:
+            for split in self.splits:  # their hashers stop within one window
                 split.close()
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
         stats = DownloadStats(
             objects=len(plan), bytes=self.bytes_done, seconds=self.clock() - self.started, retries=self.retries
         )
@@ -256,14 +260,13 @@ class _Transfer:
 
     def _tasks(self, obj: RemoteObject, target: Path) -> list[Callable[[], None]]:
         part_bytes = self.options.part_size(obj.size)
-        source = self.source
-        if part_bytes <= 0 or obj.size <= 2 * part_bytes or not isinstance(source, StreamSource):
+        source = self.stream
+        if part_bytes <= 0 or obj.size <= 2 * part_bytes or source is None:
             return [partial(self._object, obj, target)]
         if not source.ranged(obj):
             return [partial(self._object, obj, target)]
         try:
-            with open(target, "wb") as fh:
-                fh.truncate(obj.size)  # sparse: the parts fill it in place
+            reserve(target, obj.size)
         except OSError as exc:
             raise _write_error(target, exc) from exc
         split = Split(obj, target, part_bytes, obj.checksum if self.options.verify_checksums else None)
@@ -334,9 +337,9 @@ class _Transfer:
             )
 
     def _fetch(self, obj: RemoteObject, target: Path, progress: Progress) -> None:
-        source = self.source
-        if not isinstance(source, StreamSource):  # a source that writes its files itself
-            source.fetch(obj, target, progress, self.options.stall_timeout_s)
+        source = self.stream
+        if source is None:  # a source that writes its files itself
+            self.source.fetch(obj, target, progress, self.options.stall_timeout_s)
             verify_file(obj, target, checksum=self.options.verify_checksums)
             return
         body = source.open(obj, self.options.stall_timeout_s)
@@ -355,17 +358,12 @@ class _Transfer:
             check(obj, expected, hasher)
 
     def _fetch_part(self, split: Split, part: Part, landed: Progress) -> None:
-        assert isinstance(self.source, StreamSource)
-        body = self.source.open(split.obj, self.options.stall_timeout_s, part)
+        assert self.stream is not None
+        body = self.stream.open(split.obj, self.options.stall_timeout_s, part)
         try:
             fd = os.open(split.target, os.O_WRONLY)
             try:
-
-                def chunk_landed(count: int) -> None:
-                    landed(count)
-                    split.catch_up()
-
-                self._copy(body, fd, part.offset, part.length, None, chunk_landed)
+                self._copy(body, fd, part.offset, part.length, None, landed)
             finally:
                 os.close(fd)
         finally:
@@ -456,3 +454,35 @@ def _write_error(target: Path, exc: OSError) -> TritonshareError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return InsufficientSpace(f"writing {target}: the staging filesystem is full — free space on the node")
     return TritonshareError(f"writing {target} failed: {exc}")
+
+
+def reserve(target: Path, size: int) -> None:
+    """Create ``target`` with ``size`` bytes allocated on disk, for parts to fill in place in any order.
+
+    Allocated up front (``fallocate``), not sparse: 16 threads writing 2 GiB out of order into a sparse file
+    cost ext4 ~40 % more system time than into an allocated one (0.50 vs 0.35 s here), and now and then
+    stalled for seconds. A full disk is also found before any byte is fetched. A filesystem that cannot
+    allocate ahead gets a sparse file, as before.
+    """
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        if not _allocate(fd, size):
+            os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _allocate(fd: int, size: int) -> bool:
+    """``fallocate(2)``; False where the filesystem does not support it. Not ``os.posix_fallocate``: glibc
+    emulates that by writing a byte into every block, slow on the filesystems that need it."""
+    import ctypes  # ~5 ms of start-up, paid only for objects fetched in parts
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fallocate = libc.fallocate64
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if fallocate(fd, 0, 0, size) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EOPNOTSUPP, errno.ENOSYS):
+        return False
+    raise OSError(code, os.strerror(code))

@@ -2,13 +2,14 @@
 
 An object's checksum (S3's MD5 ETag, GCS's CRC32C) covers the whole object in order, while its parts land
 in parallel. So the checksum follows a *frontier*: the end of the bytes landed contiguously from offset 0.
-After each chunk it writes, a worker that finds the frontier ahead of what is hashed hashes up to it —
-unless another worker is already at it. It reads the bytes through a read-only memory map of an 8 MiB
-window of the file, straight from the page cache (a ``pread`` copy cost ~0.8 s of CPU per GiB here); one
-window at a time, because mapped pages count as the process's RSS: it stays flat whatever the object's size.
-Parts are started in offset order, so the frontier moves along during the transfer, and when the last part
-lands little is left to hash: the transfer costs about max(network, hashing) instead of their sum (MD5 runs
-at ~0.65 GB/s on one core).
+One hasher thread per object follows it: the download threads only record what they wrote and wake it when
+the frontier moves, so none of them stops receiving to hash. The hasher reads the bytes through a read-only
+memory map of an 8 MiB window of the file, straight from the page cache (a ``pread`` copy cost ~0.8 s of CPU
+per GiB here); one window at a time, because mapped pages count as the process's RSS: it stays flat whatever
+the object's size. ``hashlib`` releases the GIL while it hashes such a window, so on a second core the
+hashing overlaps with receiving. Parts are started in offset order, so the frontier moves along during the
+transfer, and when the last part lands little is left to hash: the transfer costs about max(network,
+hashing) instead of their sum (MD5 runs at ~0.5-0.65 GB/s on one core, and cannot be split).
 
 A part that fails resumes where its bytes stopped (a ranged GET from there), so hashed bytes are never
 written again and the bytes already landed are not fetched twice.
@@ -21,15 +22,20 @@ import os
 import threading
 from pathlib import Path
 
+from tritonshare.common.errors import TritonshareError
 from tritonshare.loader.checksum import Hasher, check, hasher_for
 from tritonshare.loader.sources.base import Checksum, RemoteObject
 from tritonshare.loader.sources.stream import Part
 
-HASH_STEP_BYTES = 8 << 20  # mapped and hashed at a time: bounds the mapped pages, releases the GIL often
+HASH_STEP_BYTES = 8 << 20  # mapped and hashed at a time: bounds the mapped pages, and how long a stop waits
 
 
 class Split:
-    """The parts of one object, how far each has landed, and the checksum frontier."""
+    """The parts of one object, how far each has landed, and the hasher following the frontier.
+
+    Its hasher thread starts with it; :meth:`close` stops and joins it, and must be called however the
+    download ends.
+    """
 
     def __init__(self, obj: RemoteObject, target: Path, part_bytes: int, checksum: Checksum | None) -> None:
         self.obj = obj
@@ -40,10 +46,15 @@ class Split:
         self._hasher: Hasher | None = hasher_for(checksum.algorithm) if checksum else None
         self._landed = [0] * len(self.parts)  # bytes written contiguously from each part's start
         self._left = len(self.parts)
-        self._hashed = 0  # bytes [0, _hashed) are in the hasher
-        self._fd = -1  # the file, read-only, for hashing; opened on first use
-        self._state = threading.Lock()
-        self._hashing = threading.Lock()
+        self._next = 0  # the first part not landed whole
+        self._frontier = 0  # bytes [0, _frontier) have landed
+        self._hashed = 0  # bytes [0, _hashed) are in the hasher; written by the hasher thread only
+        self._stopped = False
+        self._failure: BaseException | None = None  # what stopped the hasher thread, for verify() to raise
+        self._state = threading.Condition()
+        self._thread = threading.Thread(target=self._follow, name="tritonshare-hash", daemon=True)
+        if self._hasher is not None:
+            self._thread.start()
 
     def remaining(self, index: int) -> Part | None:
         """What part ``index`` still needs: all of it, or the rest after a failed attempt; None when done."""
@@ -53,8 +64,12 @@ class Split:
         return None if done >= part.length else Part(part.offset + done, part.length - done)
 
     def landed(self, index: int, count: int) -> None:
+        """``count`` more bytes of part ``index`` were written, right after those landed before."""
         with self._state:
             self._landed[index] += count
+            if index == self._next:
+                self._advance()
+                self._state.notify()
 
     def complete(self, index: int) -> bool:
         """Mark part ``index`` complete; True for the caller that completed the last part."""
@@ -63,50 +78,61 @@ class Split:
             self._left -= 1
             return self._left == 0
 
-    def catch_up(self, *, wait: bool = False) -> None:
-        """Hash the landed bytes not hashed yet. Without ``wait``, returns at once when another thread is
-        hashing (it will take these bytes too, or a later call will)."""
-        if self._hasher is None or not self._hashing.acquire(blocking=wait):
-            return
-        try:
-            while (end := self._frontier()) > self._hashed:
-                self._hash_to(end)
-        finally:
-            self._hashing.release()
-
     def verify(self) -> None:
-        """After the last part: hash what is left and compare (TransientSourceError on a mismatch)."""
+        """After the last part: wait for the hasher to finish and compare (TransientSourceError on a
+        mismatch). Raises TritonshareError when the hasher was stopped (the download is being cancelled)."""
         if self._hasher is None or self.expected is None:
             return
-        try:
-            self.catch_up(wait=True)
-        finally:
-            self.close()
+        self._thread.join()
+        if self._failure is not None:
+            raise self._failure
+        if self._hashed < self.obj.size:
+            raise TritonshareError(f"{self.obj.key}: hashing stopped at byte {self._hashed}: download cancelled")
         check(self.obj, self.expected, self._hasher)
 
     def close(self) -> None:
-        with self._hashing:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+        """Stop the hasher (within one window) and wait for it; nothing reads the file afterwards."""
+        with self._state:
+            self._stopped = True
+            self._state.notify()
+        if self._thread.is_alive():
+            self._thread.join()
 
-    def _hash_to(self, end: int) -> None:
+    def _advance(self) -> None:
+        """Move the frontier past the parts landed whole (called with ``_state`` held)."""
+        while self._next < len(self.parts) and self._landed[self._next] == self.parts[self._next].length:
+            self._next += 1
+        if self._next == len(self.parts):
+            self._frontier = self.obj.size
+        else:
+            self._frontier = self.parts[self._next].offset + self._landed[self._next]
+
+    def _follow(self) -> None:
+        """The hasher thread: hash up to the frontier as it moves, until the end of the object or a stop."""
+        fd = -1
+        try:
+            fd = os.open(self.target, os.O_RDONLY)
+            while (end := self._wait_for_bytes()) > self._hashed:
+                self._hash_to(fd, end)
+        except BaseException as exc:  # noqa: BLE001 - handed to the thread that verifies
+            self._failure = exc
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _wait_for_bytes(self) -> int:
+        """The frontier once it is past what is hashed; what is hashed when all is, or when stopped."""
+        with self._state:
+            while not self._stopped and self._frontier == self._hashed < self.obj.size:
+                self._state.wait()
+            return self._hashed if self._stopped else self._frontier
+
+    def _hash_to(self, fd: int, end: int) -> None:
         assert self._hasher is not None
-        if self._fd < 0:
-            self._fd = os.open(self.target, os.O_RDONLY)
-        while self._hashed < end:
+        while self._hashed < end and not self._stopped:
             start = self._hashed - self._hashed % mmap.ALLOCATIONGRANULARITY  # where a map may begin
             stop = min(end, self._hashed + HASH_STEP_BYTES)
-            with mmap.mmap(self._fd, stop - start, offset=start, access=mmap.ACCESS_READ) as window:
+            with mmap.mmap(fd, stop - start, offset=start, access=mmap.ACCESS_READ) as window:
                 with memoryview(window) as view:
                     self._hasher.update(view[self._hashed - start :])
             self._hashed = stop
-
-    def _frontier(self) -> int:
-        with self._state:
-            index = self._hashed // self.part_bytes
-            while index < len(self.parts) and self._landed[index] == self.parts[index].length:
-                index += 1
-            if index == len(self.parts):
-                return self.obj.size
-            return self.parts[index].offset + self._landed[index]
