@@ -137,7 +137,7 @@ def test_only_a_single_tar_from_a_streaming_source_is_streamed(
             expected = (source, obj) if archive.suffix != ".zip" else None
             assert streamable(source, [obj]) == expected, archive.name
     local = LocalSource(str(archives[0]))
-    assert streamable(local, local.list()) is None  # a file on a volume is unpacked where it lies
+    assert streamable(local, local.list()) is None  # a file on a volume is copied to staging, then unpacked
     with closing(HttpSource(http_server.url("m.tar.gz"))) as source:
         two = [RemoteObject(key="a", relpath="a.tar", size=1), RemoteObject(key="b", relpath="b.tar", size=1)]
         assert streamable(source, two) is None

@@ -48,7 +48,7 @@ _OPEN_POLL_S = 0.005
 
 def streamable(source: Source, objects: list[RemoteObject]) -> tuple[StreamSource, RemoteObject] | None:
     """The source and archive to stream, when the source's only object is a tar (by its name) and the source
-    hands out streams; None otherwise (a folder of files, a zip, a file on a volume)."""
+    hands out streams; None otherwise (a folder of files, a zip, a file on a volume: those land, then unpack)."""
     if len(objects) != 1 or "/" in objects[0].relpath or not isinstance(source, StreamSource):
         return None
     name = objects[0].relpath.lower()
