@@ -245,12 +245,7 @@ def network_error(exc: BaseException, what: str) -> TritonshareError:
 
 def status_error(response: Response, what: str) -> TritonshareError:
     """A GCS error answer → the error tree (reads and closes the response)."""
-    try:
-        body = response.read(MAX_ERROR_BYTES)
-    except NETWORK_ERRORS:
-        body = b""
-    finally:
-        response.close()
+    body = response.error_body(MAX_ERROR_BYTES)
     status = response.status
     detail = f"HTTP {status} {response.reason}" + (f": {clip(_message(body))}" if body.strip() else "")
     if status == 404:

@@ -162,12 +162,7 @@ def network_error(exc: BaseException, url: str) -> TritonshareError:
 
 def status_error(response: Response, url: str) -> TritonshareError:
     """An error answer → the error tree (reads a little of the body, closes the response)."""
-    try:
-        body = response.read(MAX_ERROR_BYTES).decode("utf-8", "replace")
-    except NETWORK_ERRORS:
-        body = ""
-    finally:
-        response.close()
+    body = response.error_body(MAX_ERROR_BYTES).decode("utf-8", "replace")
     status = response.status
     detail = f"HTTP {status} {response.reason}" + (f": {clip(body)}" if body.strip() else "")
     if status in (404, 410):

@@ -330,13 +330,7 @@ def network_error(exc: BaseException, what: str) -> TritonshareError:
 
 def status_error(response: Response, what: str) -> TritonshareError:
     """An S3 error answer → the error tree (reads and closes the response)."""
-    try:
-        body = response.read(MAX_ERROR_BYTES)
-    except NETWORK_ERRORS:
-        body = b""
-    finally:
-        response.close()
-    code, message = _error_fields(body)
+    code, message = _error_fields(response.error_body(MAX_ERROR_BYTES))
     status = response.status
     detail = f"{code}: {clip(message or response.reason)}" if code else f"HTTP {status} {response.reason}"
     if code in _NOT_FOUND or (not code and status == 404):

@@ -102,6 +102,16 @@ class Response:
         """At most ``limit`` bytes: for listings and error bodies."""
         return self._raw.read(limit)
 
+    def error_body(self, limit: int) -> bytes:
+        """An error answer's body, at most ``limit`` bytes (empty if the connection fails meanwhile: the status
+        says enough), and the response closed."""
+        try:
+            return self._raw.read(limit)
+        except NETWORK_ERRORS:
+            return b""
+        finally:
+            self.close()
+
     def close(self) -> None:
         if not self._raw.isclosed():
             self._connection.close()  # unread bytes would be taken for the next response
