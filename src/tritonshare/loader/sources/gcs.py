@@ -38,7 +38,7 @@ from tritonshare.common.errors import (
 )
 from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, register
 from tritonshare.loader.sources.stream import Body, Part, fetch_stream
-from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, Transport, transport_error
+from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, transport_error
 
 LIST_TIMEOUT_S = 60.0
 MAX_LISTING_BYTES = 64 << 20
@@ -144,7 +144,7 @@ class GcsSource:
         if part and not (response.header("Content-Range") or "").startswith(f"bytes {part.offset}-"):
             response.close()
             raise TransientSourceError(f"{what}: the store ignored the Range header")
-        return GcsBody(response, what)
+        return ResponseBody(response, what, network_error)  # the listed CRC32C is checked
 
     def ranged(self, obj: RemoteObject) -> bool:
         return True
@@ -205,25 +205,6 @@ class GcsSource:
         if response.status >= 300:
             raise status_error(response, what)
         return response
-
-
-class GcsBody:
-    """A media download's bytes, with transport errors translated."""
-
-    checksum: Checksum | None = None  # the listed CRC32C is what the engine checks
-
-    def __init__(self, response: Response, what: str) -> None:
-        self._response = response
-        self._what = what
-
-    def readinto(self, buffer: memoryview, /) -> int:
-        try:
-            return self._response.readinto(buffer)
-        except NETWORK_ERRORS as exc:
-            raise network_error(exc, self._what) from exc
-
-    def close(self) -> None:
-        self._response.close()
 
 
 def _remote(item: Mapping[str, Any], relpath: str) -> RemoteObject:

@@ -30,7 +30,7 @@ from tritonshare.common.errors import (
 )
 from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, register
 from tritonshare.loader.sources.stream import Body, Part, fetch_stream
-from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, Transport, failure_kind
+from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, failure_kind
 
 LIST_TIMEOUT_S = 60.0
 MAX_REDIRECTS = 10
@@ -84,7 +84,7 @@ class HttpSource:
         if part and (response.status != 206 or not served.startswith(f"bytes {part.offset}-")):
             response.close()
             raise TransientSourceError(f"{what}: the server ignored the Range header")
-        return HttpBody(response, what)
+        return ResponseBody(response, what, network_error)
 
     def ranged(self, obj: RemoteObject) -> bool:
         return self._ranges and obj.size > 0
@@ -128,25 +128,6 @@ class HttpSource:
             response.close()
             url = urljoin(url, location)
         raise SourceError(f"{what}: more than {MAX_REDIRECTS} redirects — check the URL")
-
-
-class HttpBody:
-    """A response body, with transport errors translated."""
-
-    checksum: Checksum | None = None  # what the HEAD stated is in the listing
-
-    def __init__(self, response: Response, what: str) -> None:
-        self._response = response
-        self._what = what
-
-    def readinto(self, buffer: memoryview, /) -> int:
-        try:
-            return self._response.readinto(buffer)
-        except NETWORK_ERRORS as exc:
-            raise network_error(exc, self._what) from exc
-
-    def close(self) -> None:
-        self._response.close()
 
 
 def network_error(exc: BaseException, url: str) -> TritonshareError:

@@ -46,7 +46,7 @@ from tritonshare.common.errors import (
 from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, register
 from tritonshare.loader.sources.s3_auth import DEFAULT_REGION, DENIED_HINT, CredentialChain, Signer
 from tritonshare.loader.sources.stream import Body, Part, fetch_stream
-from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, Transport, transport_error
+from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, transport_error
 
 LIST_READ_TIMEOUT_S = 60.0
 MAX_LISTING_BYTES = 64 << 20  # one page of 1,000 keys is well under 1 MiB
@@ -153,7 +153,7 @@ class S3Source:
         if part and not (response.header("Content-Range") or "").startswith(f"bytes {part.offset}-"):
             response.close()
             raise TransientSourceError(f"{what}: the store ignored the Range header")
-        return S3Body(response, what, None if part else flexible_checksum(response))
+        return ResponseBody(response, what, network_error, None if part else flexible_checksum(response))
 
     def ranged(self, obj: RemoteObject) -> bool:
         return True
@@ -242,24 +242,6 @@ class S3Source:
         with self._lock:
             self._endpoint = endpoint_for(self.bucket, region, self._environ)
             self._signer = Signer(region)
-
-
-class S3Body:
-    """A GetObject response's bytes, with transport errors translated."""
-
-    def __init__(self, response: Response, what: str, checksum: Checksum | None) -> None:
-        self._response = response
-        self._what = what
-        self.checksum = checksum
-
-    def readinto(self, buffer: memoryview, /) -> int:
-        try:
-            return self._response.readinto(buffer)
-        except NETWORK_ERRORS as exc:
-            raise network_error(exc, self._what) from exc
-
-    def close(self) -> None:
-        self._response.close()
 
 
 def flexible_checksum(response: Response) -> Checksum | None:

@@ -32,6 +32,7 @@ from typing import Literal
 from urllib.parse import unquote, urlsplit
 
 from tritonshare.common.errors import SourceError, TransientSourceError, TritonshareError
+from tritonshare.loader.sources.base import Checksum
 
 CONNECT_TIMEOUT_S = 10.0
 ProxyLookup = Callable[[str, str], str | None]  # (scheme, host) → proxy URL, or None to connect directly
@@ -122,6 +123,32 @@ class Response:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ResponseBody:
+    """A download's bytes from one response, for the download engine (:class:`~.stream.Body`): transport
+    errors are translated into the error tree by the source's ``translate`` (with its own hints)."""
+
+    def __init__(
+        self,
+        response: Response,
+        what: str,
+        translate: Callable[[BaseException, str], TritonshareError],
+        checksum: Checksum | None = None,
+    ) -> None:
+        self._response = response
+        self._what = what
+        self._translate = translate
+        self.checksum = checksum  # one the response states for the whole object (else the listing's is checked)
+
+    def readinto(self, buffer: memoryview, /) -> int:
+        try:
+            return self._response.readinto(buffer)
+        except NETWORK_ERRORS as exc:
+            raise self._translate(exc, self._what) from exc
+
+    def close(self) -> None:
+        self._response.close()
 
 
 class Transport:
