@@ -29,7 +29,8 @@ for _ in $(seq 1 120); do
   curl -fs "http://127.0.0.1:$th/v2/models/identity/ready" >/dev/null 2>&1 && break; sleep 0.25
 done
 # nginx counts a whole gRPC stream as one request body: its default client_max_body_size (1 MiB) resets a bidi
-# stream after ~10,000 of the yardstick's 100-byte messages. Whoever streams through nginx lifts it; so does this baseline.
+# stream after ~10,000 of the yardstick's 100-byte messages. Whoever streams through nginx lifts it; so does
+# this baseline.
 mkdir -p "$run/yard"
 cp "$yard/nginx-up.sh" "$run/yard/"
 sed 's#listen 127.0.0.1:@GRPC@ http2;#& client_max_body_size 0;#' "$yard/nginx.conf.in" >"$run/yard/nginx.conf.in"
