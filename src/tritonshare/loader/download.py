@@ -42,7 +42,7 @@ from tritonshare.common.errors import (
     UnsafeArchive,
 )
 from tritonshare.loader.checksum import Hasher, cheapest, check, check_size, hasher_for, verify_file
-from tritonshare.loader.parts import Split
+from tritonshare.loader.parts import Split, hashing_slots
 from tritonshare.loader.sources.base import Progress, RemoteObject, Source
 from tritonshare.loader.sources.stream import CHUNK_BYTES, Body, Part, StreamSource, write_all
 
@@ -188,6 +188,7 @@ class _Transfer:
         self.cancelled = threading.Event()
         self.local = threading.local()
         self.splits: list[Split] = []  # closed (their hasher threads) when the transfer ends, however it ends
+        self.hashing = hashing_slots()  # shared by the splits' hashers
         self.lock = threading.Lock()
         self.bytes_done = 0
         self.objects_done = 0
@@ -269,7 +270,8 @@ class _Transfer:
             reserve(target, obj.size)
         except OSError as exc:
             raise _write_error(target, exc) from exc
-        split = Split(obj, target, part_bytes, obj.checksum if self.options.verify_checksums else None)
+        checksum = obj.checksum if self.options.verify_checksums else None
+        split = Split(obj, target, part_bytes, checksum, self.hashing)
         self.splits.append(split)
         return [partial(self._part, split, index) for index in range(len(split.parts))]
 

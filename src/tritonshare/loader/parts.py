@@ -4,12 +4,13 @@ An object's checksum (S3's MD5 ETag, GCS's CRC32C) covers the whole object in or
 in parallel. So the checksum follows a *frontier*: the end of the bytes landed contiguously from offset 0.
 One hasher thread per object follows it: the download threads only record what they wrote and wake it when
 the frontier moves, so none of them stops receiving to hash. The hasher reads the bytes through a read-only
-memory map of an 8 MiB window of the file, straight from the page cache (a ``pread`` copy cost ~0.8 s of CPU
-per GiB here); one window at a time, because mapped pages count as the process's RSS: it stays flat whatever
-the object's size. ``hashlib`` releases the GIL while it hashes such a window, so on a second core the
-hashing overlaps with receiving. Parts are started in offset order, so the frontier moves along during the
+memory map of an 8 MiB window of the file, straight from the page cache (``pread`` into a buffer cost 5 %
+more CPU here); one window at a time, because mapped pages count as the process's RSS, and the hashers of
+one download map at most ``HASHING_AT_ONCE`` windows between them: memory stays flat whatever the size and
+number of big files. ``hashlib`` releases the GIL while it hashes a window, so on a second core the hashing
+overlaps with receiving. Parts are started in offset order, so the frontier moves along during the
 transfer, and when the last part lands little is left to hash: the transfer costs about max(network,
-hashing) instead of their sum (MD5 runs at ~0.5-0.65 GB/s on one core, and cannot be split).
+hashing) instead of their sum (MD5 runs at ~0.5-0.75 GB/s on one core, and cannot be split).
 
 A part that fails resumes where its bytes stopped (a ranged GET from there), so hashed bytes are never
 written again and the bytes already landed are not fetched twice.
@@ -28,6 +29,13 @@ from tritonshare.loader.sources.base import Checksum, RemoteObject
 from tritonshare.loader.sources.stream import Part
 
 HASH_STEP_BYTES = 8 << 20  # mapped and hashed at a time: bounds the mapped pages, and how long a stop waits
+HASHING_AT_ONCE = 4  # objects hashed at the same moment, per download: at most 4 windows (32 MiB) mapped
+
+
+def hashing_slots() -> threading.Semaphore:
+    """What the splits of one download share, so that their hashers together map at most
+    ``HASHING_AT_ONCE`` windows: a model of many big files would otherwise map one window per file."""
+    return threading.BoundedSemaphore(HASHING_AT_ONCE)
 
 
 class Split:
@@ -37,7 +45,14 @@ class Split:
     download ends.
     """
 
-    def __init__(self, obj: RemoteObject, target: Path, part_bytes: int, checksum: Checksum | None) -> None:
+    def __init__(
+        self,
+        obj: RemoteObject,
+        target: Path,
+        part_bytes: int,
+        checksum: Checksum | None,
+        slots: threading.Semaphore,
+    ) -> None:
         self.obj = obj
         self.target = target
         self.part_bytes = part_bytes
@@ -51,6 +66,7 @@ class Split:
         self._hashed = 0  # bytes [0, _hashed) are in the hasher; written by the hasher thread only
         self._stopped = False
         self._failure: BaseException | None = None  # what stopped the hasher thread, for verify() to raise
+        self._slots = slots  # held while a window is mapped
         self._state = threading.Condition()
         self._thread = threading.Thread(target=self._follow, name="tritonshare-hash", daemon=True)
         if self._hasher is not None:
@@ -132,7 +148,7 @@ class Split:
         while self._hashed < end and not self._stopped:
             start = self._hashed - self._hashed % mmap.ALLOCATIONGRANULARITY  # where a map may begin
             stop = min(end, self._hashed + HASH_STEP_BYTES)
-            with mmap.mmap(fd, stop - start, offset=start, access=mmap.ACCESS_READ) as window:
+            with self._slots, mmap.mmap(fd, stop - start, offset=start, access=mmap.ACCESS_READ) as window:
                 with memoryview(window) as view:
                     self._hasher.update(view[self._hashed - start :])
             self._hashed = stop
