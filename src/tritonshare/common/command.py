@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 import click
 
 from tritonshare.common.errors import ExitCode, TritonshareError
-from tritonshare.common.termination import write_termination_message
+from tritonshare.common.layout import DEFAULT_LEASES, DEFAULT_REPOSITORY, DEFAULT_STAGING
+from tritonshare.common.termination import DEFAULT_PATH, write_termination_message
 
 logger = logging.getLogger("tritonshare")
 
@@ -27,6 +28,44 @@ def option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
     kwargs.setdefault("show_envvar", True)
     kwargs.setdefault("show_default", True)
     return click.option(*decls, **kwargs)
+
+
+def options(*decorators: Callable[[F], F]) -> Callable[[F], F]:
+    """Several options as one decorator, in the order they are listed (and shown in ``--help``)."""
+
+    def apply(fn: F) -> F:
+        for decorator in reversed(decorators):
+            fn = decorator(fn)
+        return fn
+
+    return apply
+
+
+# The options several subcommands share, spelled once.
+repository_option = option(
+    "--repository",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_REPOSITORY,
+    help="Triton's model repository (POLL mode) on the node.",
+)
+staging_option = option(
+    "--staging",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_STAGING,
+    help="Staging folder: same filesystem as the repository, outside it.",
+)
+leases_option = option(
+    "--leases",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_LEASES,
+    help="The node's lease folder (outside the repository): which pods use each model, by their heartbeats.",
+)
+termination_log_option = option(
+    "--termination-log",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_PATH,
+    help="Where the one-line failure reason goes (Kubernetes terminationMessagePath).",
+)
 
 
 def run_command(action: Callable[[], int | None], *, termination_log: Path | None = None) -> None:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import click
 
-from tritonshare.common.command import option, run_command
+from tritonshare.common.command import option, run_command, termination_log_option
 from tritonshare.common.errors import ExitCode, TritonshareError
-from tritonshare.common.termination import DEFAULT_PATH, write_termination_message
+from tritonshare.common.termination import write_termination_message
 
 logger = logging.getLogger("tritonshare")
 
@@ -54,12 +54,7 @@ SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
     default=False,
     help="On failure, log the error and exit 0: as an init container, never keep Triton from starting.",
 )
-@option(
-    "--termination-log",
-    type=click.Path(path_type=Path),
-    default=DEFAULT_PATH,
-    help="Where the one-line failure reason goes (Kubernetes terminationMessagePath).",
-)
+@termination_log_option
 def advertise(
     node_name: str,
     gpu_memory_mib: int | None,

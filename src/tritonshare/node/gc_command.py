@@ -10,31 +10,21 @@ from pathlib import Path
 
 import click
 
-from tritonshare.common.command import option, run_command
-from tritonshare.common.layout import DEFAULT_LEASES, DEFAULT_REPOSITORY, DEFAULT_STAGING, NodeLayout
+from tritonshare.common.command import (
+    leases_option,
+    option,
+    options,
+    repository_option,
+    run_command,
+    staging_option,
+    termination_log_option,
+)
+from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import DEFAULT_TTL_S
-from tritonshare.common.termination import DEFAULT_PATH
 
 
 @click.command()
-@option(
-    "--repository",
-    type=click.Path(path_type=Path),
-    default=DEFAULT_REPOSITORY,
-    help="Triton's model repository (POLL mode) on the node.",
-)
-@option(
-    "--staging",
-    type=click.Path(path_type=Path),
-    default=DEFAULT_STAGING,
-    help="Staging folder: same filesystem as the repository, outside it.",
-)
-@option(
-    "--leases",
-    type=click.Path(path_type=Path),
-    default=DEFAULT_LEASES,
-    help="The node's lease folder (outside the repository), where model pods keep their heartbeats.",
-)
+@options(repository_option, staging_option, leases_option)
 @option("--triton-url", default="http://127.0.0.1:8000", help="Triton's HTTP endpoint (asked what is LOADING).")
 @option(
     "--lease-ttl-s",
@@ -50,12 +40,7 @@ from tritonshare.common.termination import DEFAULT_PATH
     default=("*",),
     help="Only model NAMEs matching one of these glob patterns are removed; others are never touched. Repeatable.",
 )
-@option(
-    "--termination-log",
-    type=click.Path(path_type=Path),
-    default=DEFAULT_PATH,
-    help="Where the one-line failure reason goes (Kubernetes terminationMessagePath).",
-)
+@termination_log_option
 def gc(
     repository: Path,
     staging: Path,
