@@ -459,6 +459,7 @@ def bench(args: argparse.Namespace) -> None:
     if missing := [str(p) for p in needed if not p.exists()]:
         sys.exit(f"missing {', '.join(missing)} — run scripts/setup.sh --bench")
     compile_bytecode()
+    started, load_before = time.gmtime(), os.getloadavg()[0]
     rows: Rows = {}
     with tempfile.TemporaryDirectory(prefix="loader-bench-", dir=args.work) as tmp:
         work = Path(tmp)
@@ -474,7 +475,9 @@ def bench(args: argparse.Namespace) -> None:
                 bench_scheme(scheme, models, work, rows)
         overhead = ready_bench(args, work) if args.ready else ""
     sizes = {model.label: model.size for model in models}
-    print(f"\n{table(rows, sizes)}\n\n{bars(rows, models)}\n\n{overhead}")
+    when = f"{time.strftime('%d %b %Y, %H:%M', started)}-{time.strftime('%H:%M', time.gmtime())} UTC"
+    load = f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    print(f"\nRun of {when}, {load}:\n\n{table(rows, sizes)}\n\n{bars(rows, models)}\n\n{overhead}")
 
 
 def main() -> None:
