@@ -2,11 +2,14 @@
 # The proxy yardstick in one run: real Triton, then the same REST (wrk), gRPC unary (h2load) and gRPC
 # streaming (bench/stream_bench.py: bidi ModelStreamInfer) load direct to Triton, through nginx (the
 # baseline), and through `tritonshare proxy`; CPU µs per request of each proxy process, rps, latency; and the
-# proxy's RSS idle and after load.
-# usage: bench/proxy_bench.sh [SECONDS]      (needs scripts/setup.sh; uses ../shared/bench)
+# proxy's RSS idle and after load. With ROUNDS > 1, nginx and the proxy take turns ROUNDS times (which goes first
+# alternates, so a load that drifts on a shared node weighs on both alike), and bench/proxy_summary.py prints
+# the median of each point and the bars.
+# usage: bench/proxy_bench.sh [SECONDS] [ROUNDS]      (needs scripts/setup.sh; uses ../shared/bench)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-5}
+rounds=${2:-1}
 yard=${TRITONSHARE_YARDSTICK:-$(cd ../shared/bench && pwd)}
 root=$(pwd)
 run=$(mktemp -d /tmp/tritonshare-bench.XXXXXX)
@@ -52,10 +55,16 @@ echo "tritonshare proxy idle RSS: $(( $(rss "$proxy") / 1024 )) MiB"
 export PY="$root/.venv/bin/python"
 # LABEL GRPC_PORT [PID...]: a failed stream shows on its line (Nok/Mfailed) and does not stop the run
 stream() { "$PY" bench/stream_bench.py "127.0.0.1:$2" --seconds "$secs" --label "$1" --pids "${@:3}" || true; }
-bash "$yard/proxy-bench.sh" direct identity "$th" "$tg" "$secs"
-stream direct "$tg"
-bash "$yard/proxy-bench.sh" nginx identity "$nh" "$ng" "$secs" $nginx_pids
-stream nginx "$ng" $nginx_pids
-bash "$yard/proxy-bench.sh" ours identity "$ph" "$pg" "$secs" "$proxy"
-stream ours "$pg" "$proxy"
+nginx() { bash "$yard/proxy-bench.sh" nginx identity "$nh" "$ng" "$secs" $nginx_pids; stream nginx "$ng" $nginx_pids; }
+ours() { bash "$yard/proxy-bench.sh" ours identity "$ph" "$pg" "$secs" "$proxy"; stream ours "$pg" "$proxy"; }
+{
+  bash "$yard/proxy-bench.sh" direct identity "$th" "$tg" "$secs"
+  stream direct "$tg"
+  for round in $(seq 1 "$rounds"); do
+    [ "$rounds" -gt 1 ] && echo "# round $round"
+    if [ $((round % 2)) = 1 ]; then nginx; ours; else ours; nginx; fi
+  done
+} | tee "$run/lines"
 echo "tritonshare proxy RSS after load: $(( $(rss "$proxy") / 1024 )) MiB (peak $(( $(hwm "$proxy") / 1024 )) MiB)"
+[ "$rounds" -gt 1 ] && "$PY" bench/proxy_summary.py <"$run/lines"
+exit 0

@@ -1,0 +1,39 @@
+"""bench/proxy_summary.py: issue 4's bars from the yardstick's lines, as medians over interleaved rounds."""
+
+from __future__ import annotations
+
+from bench.proxy_summary import milliseconds, parse, report
+
+ROUNDS = """\
+direct rest c=1 rps=4600.0 p50=200.00us p99=1.70ms non2xx=0
+# round 1
+nginx rest c=1 rps=3000.0 p50=250.00us p99=500.00us non2xx=0 cpu_us_per_req=50.0
+ours rest c=1 rps=3100.0 p50=240.00us p99=450.00us non2xx=0 cpu_us_per_req=45.0
+nginx stream c=16 rps=4000.0 mean=3.5ms p50=3.1ms p99=11.0ms 100ok/0failed cpu_us_per_req=40.0 client_cores=0.2
+ours stream c=16 rps=3000.0 mean=3.6ms p50=3.2ms p99=9.0ms 100ok/0failed cpu_us_per_req=64.0 client_cores=0.2
+# round 2
+ours rest c=1 rps=3100.0 p50=240.00us p99=1.2ms non2xx=0 cpu_us_per_req=60.0
+nginx rest c=1 rps=3000.0 p50=250.00us p99=1.0ms non2xx=0 cpu_us_per_req=50.0
+ours stream c=16 rps=3400.0 mean=3.6ms p50=3.2ms p99=9.0ms 100ok/0failed cpu_us_per_req=56.0 client_cores=0.2
+nginx stream c=16 rps=4000.0 mean=3.5ms p50=3.1ms p99=11.0ms 100ok/0failed cpu_us_per_req=40.0 client_cores=0.2
+# round 3: Triton's stub crashed
+nginx rest c=1 rps=9000.0 p50=70.00us p99=60.0ms non2xx=18258 cpu_us_per_req=20.0
+ours stream c=16 rps=0.0 mean=0.00ms p50=0.00ms p99=0.00ms 0ok/226failed cpu_us_per_req=1.0 client_cores=0.05
+"""
+
+
+def test_latencies_read_in_any_unit_as_milliseconds() -> None:
+    assert [milliseconds(t) for t in ("450.00us", "1.2ms", "2s")] == [0.45, 1.2, 2000.0]
+
+
+def test_each_bar_is_judged_on_the_medians_of_the_rounds_and_direct_lines_are_ignored() -> None:
+    skipped: list[str] = []
+    values = parse(ROUNDS.splitlines(), skipped)
+    assert [line.split(" rps")[0] for line in skipped] == ["nginx rest c=1", "ours stream c=16"]  # failed: left out
+    assert values["ours", "rest", 1, "cpu"] == [45.0, 60.0] and ("direct", "rest", 1, "rps") not in values
+    rows = {row.split(" | ")[0].lstrip("| "): row for row in report(values)[2:]}
+    assert set(rows) == {"rest c=1 cpu ≤ 1×", "rest c=1 p99 ≤ 1×", "stream c=16 cpu ≤ 1.5×", "stream c=16 rps ≥ 0.8×"}
+    assert "| 1.05× | 0.90, 1.20 | **no** |" in rows["rest c=1 cpu ≤ 1×"]  # median 52.5 against 50
+    assert "| 0.75 | 0.82 | 1.10× |" in rows["rest c=1 p99 ≤ 1×"] and rows["rest c=1 p99 ≤ 1×"].endswith("**no** |")
+    assert "| 1.50× | 1.60, 1.40 | yes |" in rows["stream c=16 cpu ≤ 1.5×"]  # at the bar is within it
+    assert "| 0.80× |" in rows["stream c=16 rps ≥ 0.8×"] and rows["stream c=16 rps ≥ 0.8×"].endswith("yes |")
