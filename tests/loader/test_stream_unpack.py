@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
+import re
 import tarfile
 from collections.abc import Iterator
 from contextlib import closing
@@ -61,6 +63,15 @@ def test_a_tar_gz_is_unpacked_as_it_arrives_and_never_stored(
     assert tree_bytes(dest / "model") == tree_bytes(model)
     assert (stats.bytes, stats.retries) == (obj.size, 0)
     assert sorted(p.name for p in dest.parent.iterdir()) == ["unpacked"]  # no archive, no pipe left behind
+
+
+def test_a_long_transfer_logs_its_progress(
+    served: tuple[HttpSource, RemoteObject], dest: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    source, obj = served
+    caplog.set_level(logging.INFO, logger="tritonshare")
+    fetch_and_unpack(source, obj, dest, DownloadOptions(progress_interval_s=0.0))  # every read is "long"
+    assert re.search(r"downloading and unpacking \S*model\.tar\.gz: [0-9.]+ of [0-9.]+ MiB, [0-9.]+ MiB/s", caplog.text)
 
 
 def test_a_plain_tar_from_s3_is_unpacked(s3_server: MotoS3, model: Path, dest: Path, tmp_path: Path) -> None:
