@@ -155,6 +155,19 @@ def test_an_unknown_field_with_no_near_name_lists_the_fields_there_are() -> None
     assert "ModelInput has no field 'tensor_size' (its fields: name, data_type, format, dims, reshape," in message
 
 
+def test_lenient_checking_lets_a_newer_tritons_fields_through_and_still_refuses_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    newer = IDENTITY_CONFIG + 'model_future_option { enabled: true }\ninput [ { name: "X", future_layout: 2 } ]\n'
+    assert "has no field 'model_future_option'" in str(refusal(newer))  # strict, the default
+    assert check_config(newer, WHERE, lenient=True)
+    assert "line" in caplog.text and "'model_future_option'" in caplog.text and "unchecked" in caplog.text
+    with pytest.raises(InvalidModel, match="Couldn't parse integer"):  # what the schema knows is still checked
+        check_config(newer + "max_batch_size: many\n", WHERE, lenient=True)
+    with pytest.raises(InvalidModel, match="is not a DataType"):  # an unknown enum value is not a field
+        check_config(newer + 'input [ { name: "Y", data_type: TYPE_FP128, dims: [1] } ]\n', WHERE, lenient=True)
+
+
 def test_a_duplicate_of_an_empty_scalar_is_read_as_triton_reads_it() -> None:
     # Triton 2.51 loads this (seen here): proto3 cannot tell an empty value from an absent one.
     check_config(IDENTITY_CONFIG + "max_batch_size: 0\n", "cfg")

@@ -23,7 +23,9 @@ same in two passes, each agreeing with Triton 2.51 on every case the tests list 
 
 The schema is the newest tritonshare ships, so a field added after the Triton a node runs still reaches
 that Triton (``model_metrics`` on Triton 2.51) and ends in exit 13; the opposite choice, an older schema,
-would refuse models a newer Triton serves.
+would refuse models a newer Triton serves. For a Triton newer than the schema, ``lenient`` checking
+(``tritonshare load --config-check lenient``) lets fields the schema does not know through to Triton, with a
+warning naming the first one; everything the schema knows is still checked.
 """
 
 from __future__ import annotations
@@ -134,19 +136,33 @@ def _check_escapes(config: ConfigText, start: int, literal: str) -> None:
         pos = m.end()
 
 
-def check_schema(config: ConfigText) -> None:
+def check_schema(config: ConfigText, *, lenient: bool = False) -> None:
     """Parse ``config`` into Triton's ModelConfig as Triton does; refuse it with protobuf's reason, made
-    specific where it can be (the field or enum value meant, the values there are)."""
+    specific where it can be (the field or enum value meant, the values there are). ``lenient``: a field the
+    schema does not know is let through (logged), the rest checked as strictly."""
     from google.protobuf import text_format  # the loader's only protobuf use: imported when needed
 
     from tritonshare.loader import model_config_pb2
 
     try:
         text_format.Parse(config.text, model_config_pb2.ModelConfig())
+        return
     except text_format.ParseError as exc:
-        line, column = exc.GetLine(), exc.GetColumn()
-        reason = _protobuf_reason(str(exc), config.line(line or 0))
-        raise config.error(line, column, _explain(reason, model_config_pb2.POOL)) from exc
+        line, reason = exc.GetLine(), _protobuf_reason(str(exc), config.line(exc.GetLine() or 0))
+        explained = _explain(reason, model_config_pb2.POOL)
+        if not (lenient and _UNKNOWN_FIELD.fullmatch(reason)):
+            raise config.error(line, exc.GetColumn(), explained) from exc
+    try:
+        text_format.Parse(config.text, model_config_pb2.ModelConfig(), allow_unknown_field=True)
+    except text_format.ParseError as exc:
+        reason = _protobuf_reason(str(exc), config.line(exc.GetLine() or 0))
+        raise config.error(exc.GetLine(), exc.GetColumn(), _explain(reason, model_config_pb2.POOL)) from exc
+    logger.warning(
+        "%s, line %s: %s — passed to Triton unchecked (--config-check lenient), as is any later unknown field",
+        config.where,
+        line,
+        explained,
+    )
 
 
 def _protobuf_reason(message: str, line_text: str) -> str:
@@ -189,6 +205,9 @@ _EXPLAINERS: tuple[tuple[re.Pattern[str], Callable[[re.Match[str], Any], str]], 
 )
 
 
+_UNKNOWN_FIELD = _EXPLAINERS[0][0]
+
+
 def _explain(reason: str, pool: Any) -> str:
     for pattern, explain in _EXPLAINERS:
         if (m := pattern.fullmatch(reason)) is not None:
@@ -199,11 +218,11 @@ def _explain(reason: str, pool: Any) -> str:
     return reason
 
 
-def check_config(text: str, where: str) -> list[Token]:
+def check_config(text: str, where: str, *, lenient: bool = False) -> list[Token]:
     """Check ``text`` is a ModelConfig Triton reads (``where`` names it in errors); returns its tokens."""
     config = ConfigText(text, where)
     tokens = tokenize(config)
-    check_schema(config)
+    check_schema(config, lenient=lenient)
     return tokens
 
 
@@ -226,10 +245,10 @@ def _is_colon(tokens: list[Token], i: int) -> bool:
     return i < len(tokens) and tokens[i].text == ":"
 
 
-def with_name(text: str, name: str, where: str) -> str:
+def with_name(text: str, name: str, where: str, *, lenient: bool = False) -> str:
     """``text`` checked, with its top-level ``name`` set to ``name``: the value replaced in place, or a
     first line added when there is none. Everything else stays byte for byte."""
-    spans = _name_values(check_config(text, where))
+    spans = _name_values(check_config(text, where, lenient=lenient))
     quoted = '"' + name + '"'  # model names are [A-Za-z0-9_.-]: nothing to escape (layout.check_model_name)
     if not spans:
         return f"name: {quoted}\n{text}"
@@ -261,8 +280,9 @@ def find_root(top: Path, label: str) -> Path:
     )
 
 
-def prepare(top: Path, name: str, label: str) -> Path:
-    """Find and check the model in ``top``, set its config's name to ``name``; returns the model root."""
+def prepare(top: Path, name: str, label: str, *, lenient: bool = False) -> Path:
+    """Find and check the model in ``top``, set its config's name to ``name``; returns the model root.
+    ``lenient``: see :func:`check_schema`."""
     root = find_root(top, label)
     if not version_dirs(root):
         raise InvalidModel(
@@ -273,7 +293,7 @@ def prepare(top: Path, name: str, label: str) -> Path:
     if config.is_file():
         where = f"{label}: {config.relative_to(top).as_posix()}"
         text = _read_text(config, where)
-        config.write_text(with_name(text, name, where), encoding="utf-8")
+        config.write_text(with_name(text, name, where, lenient=lenient), encoding="utf-8")
     block_bytecode(root)
     return root
 
