@@ -138,6 +138,13 @@ def main(log_format: str, log_level: str) -> None:
     help="How often Triton is asked whether the model is ready (and, until it is, for its repository index).",
 )
 @option(
+    "--config-check",
+    type=click.Choice(["strict", "lenient"]),
+    default="strict",
+    help="strict: config.pbtxt must fit the ModelConfig schema tritonshare ships. lenient: fields that schema "
+    "does not know (a newer Triton's) go to Triton unchecked, with a warning; the rest is checked as strictly.",
+)
+@option(
     "--require-gpu-memory-mib",
     type=click.IntRange(min=0),
     default=0,
@@ -172,6 +179,7 @@ def load(
     retries: int,
     concurrency: int,
     poll_interval_s: float,
+    config_check: str,
     require_gpu_memory_mib: int,
     triton_metrics_url: str | None,
     termination_log: Path,
@@ -200,6 +208,7 @@ def load(
         retries=retries,
         concurrency=concurrency,
         poll_interval_s=poll_interval_s,
+        config_check=config_check,  # type: ignore[arg-type]  # click.Choice guarantees it
         require_gpu_memory_mib=require_gpu_memory_mib,
         triton_metrics_url=triton_metrics_url or None,
         termination_log=termination_log,

@@ -188,6 +188,26 @@ def test_a_model_triton_rejects_exits_12_with_tritons_reason(
     assert f"took {model_name} back out of the repository" in outcome.log
 
 
+def test_a_field_the_schema_does_not_know_exits_10_or_with_lenient_checking_reaches_triton(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, loaded: list[str]
+) -> None:
+    from tests.support.models import IDENTITY_CONFIG
+
+    source = str(write_model(tmp_path / "newer", config=IDENTITY_CONFIG + "model_future_option: true\n"))
+    before = node_entries(layout)
+    strict = load(layout, triton.url, source, model_name, tmp_path)
+    failed(strict, ExitCode.SOURCE_PERMANENT, "config.pbtxt: line", "has no field 'model_future_option'")
+    assert node_entries(layout) == before
+
+    # Lenient: published for Triton to judge. Triton 2.51 does not know the field either: it never reports the
+    # model ready, so the load runs into its deadline (a newer Triton that knows the field would serve it).
+    lenient = load(layout, triton.url, source, model_name, tmp_path, "--config-check", "lenient", "--timeout-s", "3")
+    assert "'model_future_option'" in lenient.log and "passed to Triton unchecked" in lenient.log
+    failed(lenient, ExitCode.READINESS_TIMEOUT, f"{model_name} is not ready")
+    assert "phase publish took" in lenient.log
+    loaded.append(model_name)  # removed after the test
+
+
 def test_triton_down_exits_13(layout: NodeLayout, model_name: str, tmp_path: Path) -> None:
     down = f"http://127.0.0.1:{free_port()}"
     before = node_entries(layout)

@@ -159,7 +159,7 @@ def _stage(
     try:
         top = _fetch(_Fetch(source, objects, options, workspace, free, timings))
         with timings.phase("check"):
-            root = prepare(top, settings.name, record.source)
+            root = prepare(top, settings.name, record.source, lenient=settings.config_check == "lenient")
         if settings.require_gpu_memory_mib:
             from tritonshare.loader.gpu_check import check_gpu_memory  # prometheus_client: only for this check
 

@@ -11,6 +11,7 @@ from tritonshare.common.lease import DEFAULT_TTL_S, Holder
 from tritonshare.common.termination import DEFAULT_PATH
 
 Mode = Literal["poll", "explicit"]
+ConfigCheck = Literal["strict", "lenient"]  # see tritonshare.loader.model.check_schema
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +28,8 @@ class LoaderSettings:
     stall_timeout_s: float = 60.0  # a read that brings no byte for this long is a transient failure
     retries: int = 5  # attempts per object after the first, with exponential backoff
     concurrency: int = 16  # objects downloaded at once
-    poll_interval_s: float = 0.25  # how often readiness and the repository index are asked
+    poll_interval_s: float = 0.1  # how often readiness and the repository index are asked
+    config_check: ConfigCheck = "strict"  # lenient: config fields the vendored schema does not know go through
     require_gpu_memory_mib: int = 0  # free GPU memory Triton must report before publishing; 0 = no check
     triton_metrics_url: str | None = None  # for that check; None = Triton's host, port 8002
     termination_log: Path | None = DEFAULT_PATH
