@@ -61,20 +61,24 @@ CURL_TAR = 'set -o pipefail; curl -sSf "$0" | tar xz -C "$1"'
 
 
 # tritonshare in a fresh process: list, then download (and verify) — or, for one tar archive, download and unpack
-# in one pass — as ``tritonshare load`` does. Passed with -c so the child imports only what the loader needs.
+# in one pass — as ``tritonshare load`` does (loader/run.py), importing the archive code only for a lone file.
+# Passed with -c so the child imports only what the loader needs.
 TRITONSHARE = """
 import shutil, sys
 from pathlib import Path
 from tritonshare.loader.download import DownloadOptions, download_all, list_objects
 from tritonshare.loader.sources import open_source
-from tritonshare.loader.stream_unpack import fetch_and_unpack, streamable
 
 uri, dest, concurrency, checksums = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "verify"
 options = DownloadOptions(concurrency=concurrency, verify_checksums=checksums)
 source = open_source(uri)
 try:
     objects = list_objects(source, options)
-    stream = streamable(source, objects)
+    stream = None
+    if len(objects) == 1 and "/" not in objects[0].relpath:
+        from tritonshare.loader.stream_unpack import fetch_and_unpack, streamable
+
+        stream = streamable(source, objects)
     if stream is not None:
         fetch_and_unpack(*stream, dest, options, max_bytes=shutil.disk_usage(dest).free)
     else:
@@ -322,6 +326,11 @@ def median_s(rows: Rows, key: tuple[str, str, str]) -> float | None:
     return statistics.median(r.seconds for r in rows[key]) if key in rows else None
 
 
+def cell(name: str) -> str:
+    """A tool's name in a Markdown table: ``curl | tar xz`` as code, its pipe escaped."""
+    return f"`{name.replace('|', chr(92) + '|')}`" if "|" in name else name
+
+
 def table(rows: Rows, sizes: dict[str, int]) -> str:
     out = ["| store | model | tool | MiB/s | seconds | CPU s | peak RSS MiB | tritonshare's speed vs this |"]
     out.append("|---|---|---|---:|---:|---:|---:|---:|")
@@ -332,7 +341,7 @@ def table(rows: Rows, sizes: dict[str, int]) -> str:
         cpu = statistics.median(r.cpu_seconds for r in runs)
         rss = max(r.peak_rss_mib for r in runs)
         out.append(
-            f"| {scheme} | {label} | {tool} | {sizes[label] / MIB / seconds:.0f} | {seconds:.2f} | {cpu:.2f} "
+            f"| {scheme} | {label} | {cell(tool)} | {sizes[label] / MIB / seconds:.0f} | {seconds:.2f} | {cpu:.2f} "
             f"| {rss:.0f} | {ratio} |"
         )
     return "\n".join(out)
@@ -361,7 +370,8 @@ def bars(rows: Rows, models: list[Model]) -> str:
             unverified = median_s(rows, (store, model.label, "tritonshare-nosum"))
             bare = f"{theirs / unverified:.2f}x" if unverified else "-"
             met = "yes" if theirs / ours >= minimum else "**no**"
-            out.append(f"| {store}: ≥ {minimum:g}x {peer} | {model.label} | {theirs / ours:.2f}x | {met} | {bare} |")
+            bar = f"{store}: ≥ {minimum:g}x {cell(peer)}"
+            out.append(f"| {bar} | {model.label} | {theirs / ours:.2f}x | {met} | {bare} |")
     ours_rss = [r.peak_rss_mib for (_, _, tool), runs in rows.items() if tool.startswith("tritonshare") for r in runs]
     peak = max(ours_rss, default=0.0)
     out.append(f"| peak RSS ≤ 100 MiB, every shape | all | {peak:.0f} MiB | {'yes' if peak <= 100 else '**no**'} | - |")
