@@ -352,6 +352,12 @@ def unload(
     default=None,
     help="PEM private key (unencrypted) of --tls-cert.",
 )
+@option(
+    "--source",
+    default=None,
+    help="The model's SOURCE, as given to `tritonshare load`: if NAME is missing from the repository when the "
+    "proxy starts (restarted in a live pod after its SIGTERM unloaded it), it is installed again from there.",
+)
 def proxy(
     repository: Path,
     staging: Path,
@@ -360,6 +366,7 @@ def proxy(
     pod_name: str,
     pod_namespace: str,
     strip_headers: tuple[str, ...],
+    source: str | None,
     **options: Any,
 ) -> None:
     """Serve NAME only: forward its REST and gRPC calls to Triton, refuse everything else.
@@ -375,6 +382,10 @@ def proxy(
         strip_headers=tuple(h.lower() for h in strip_headers),
         **options,  # the remaining option names are ProxySettings' field names
     )
+    if source:
+        from tritonshare.pod import reinstall_if_missing
+
+        reinstall_if_missing(source, settings)
     run_command(lambda: run(settings))
 
 
