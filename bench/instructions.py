@@ -2,11 +2,12 @@
 that does not move with the machine's load (CPU µs from `bench/proxy_bench.sh` swing ±20 % on a shared node).
 
 One real Triton (the shared yardstick's identity model), then nginx (the yardstick's config, one worker, as a
-single process) and `tritonshare proxy`, each under `valgrind --tool=callgrind`. For each target and protocol:
-warm up, zero the counters, drive one connection (wrk for REST JSON infer, h2load for gRPC ModelInfer) for
-``--seconds``, dump, and divide the user-space instructions of the whole process by the requests served. The
-kernel's share (syscalls, TCP) is not counted: the proxy makes no more syscalls per request than nginx (6
-against 7 at c=1, by strace).
+single process, its gRPC body limit lifted as in proxy_bench.sh) and `tritonshare proxy`, each under
+`valgrind --tool=callgrind`. For each target and protocol: warm up, zero the counters, drive one connection
+(wrk for REST JSON infer, h2load for gRPC ModelInfer, bench/stream_bench.py's lean client for one bidi
+ModelStreamInfer stream, one message in flight) for ``--seconds``, dump, and divide the user-space
+instructions of the whole process by the requests (streaming: messages) served. The kernel's share (syscalls,
+TCP) is not counted: the proxy makes no more syscalls per request than nginx (6 against 7 at c=1, by strace).
 
 usage: .venv/bin/python bench/instructions.py [--seconds 10]      (needs scripts/setup.sh --bench: valgrind)
 """
@@ -28,6 +29,11 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stream_bench  # noqa: E402  (bench/ is no package: the streaming client is imported by path)
 
 ROOT = Path(__file__).resolve().parent.parent
 YARD = Path(os.environ.get("TRITONSHARE_YARDSTICK", ROOT.parent / "shared" / "bench"))
@@ -80,6 +86,7 @@ def triton(run: Path) -> Iterator[Ports]:
 
 def nginx_command(run: Path, ports: Ports) -> list[str]:
     conf = (YARD / "nginx.conf.in").read_text()
+    conf = conf.replace("listen 127.0.0.1:@GRPC@ http2;", "listen 127.0.0.1:@GRPC@ http2; client_max_body_size 0;")
     for key, value in {
         "@RUN@": str(run), "@MODEL@": MODEL, "@UP_HTTP@": str(ports.triton_http), "@UP_GRPC@": str(ports.triton_grpc),
         "@HTTP@": str(ports.http), "@GRPC@": str(ports.grpc),
@@ -135,6 +142,15 @@ def h2load(port: int, seconds: float, body: Path) -> int:
     return requests_of(out, r"requests: .* (\d+) succeeded", None)
 
 
+def stream(port: int, seconds: float) -> int:
+    """Messages answered on one bidi ModelStreamInfer stream, one in flight (closed loop)."""
+    load = stream_bench.Load("127.0.0.1", port, MODEL, stream_bench.request_bytes(MODEL), 1)
+    result = uvloop.run(stream_bench.run("h2", load, 1, seconds, []))
+    if result.tally.failures or not result.tally.latencies:
+        raise SystemExit(f"the stream saw failures: {result.tally.first_error}")
+    return len(result.tally.latencies)
+
+
 def requests_of(out: str, pattern: str, failure: str | None) -> int:
     match = re.search(pattern, out)
     if match is None or (failure is not None and failure in out):
@@ -173,13 +189,14 @@ def main() -> int:
                 drives: dict[str, Callable[[float], int]] = {
                     "rest": lambda s: wrk(ports.http, s),
                     "grpc": lambda s: h2load(ports.grpc, s, body),
+                    "stream": lambda s: stream(ports.grpc, s),
                 }
                 for protocol, drive in drives.items():
                     served, instructions = count(pid, out, drive, args.seconds)
                     rows[name, protocol] = instructions / served
                     print(f"{name} {protocol} c=1: {served} requests, {rows[name, protocol]:,.0f} instructions/request")
     print("\n| protocol (c=1) | nginx | tritonshare | vs nginx |\n|---|---:|---:|---:|")
-    for protocol in ("rest", "grpc"):
+    for protocol in ("rest", "grpc", "stream"):
         ours, base = rows["tritonshare", protocol], rows["nginx", protocol]
         print(f"| {protocol} | {base:,.0f} | {ours:,.0f} | {ours / base:.2f}× |")
     return 0
