@@ -40,9 +40,18 @@ logger = logging.getLogger(__name__)
 _PENDING_LIMIT = 1 << 20  # client bytes buffered while Triton's connection opens; reading pauses beyond
 SILENT_TIMEOUT_S = 30.0  # a client connection that sends no byte for this long is closed
 _COMPRESSION_ERROR = 0x9
+_STATUS_LABELS = grpc_replies.STATUS_LABELS
 
 # Opens the connection to Triton for one client connection (a seam: tests pass their own).
 OpenUpstream = Callable[[Callable[[], UpstreamConnection]], Awaitable[UpstreamConnection]]
+# Reads one frame (the read, the frame's start and end in it, its flags, its stream): None forwards it as it
+# is, b"" drops it, other bytes go instead.
+FrameHandler = Callable[[bytes, int, int, int, int], bytes | None]
+# Acts on a judged new stream (stream id, its rule, its header block): True if it goes to Triton.
+Opener = Callable[[int, GrpcRule, HeaderBlock], bool]
+# Frame constants read for every frame, as module globals (an attribute lookup each is measurable).
+_HEADER_SIZE, _STREAM_ID_MASK = http2.HEADER_SIZE, http2.STREAM_ID_MASK
+_BARE_MASK = http2.END_HEADERS | http2.PADDED | http2.PRIORITY_FLAG  # equal to END_HEADERS: a plain HEADERS
 
 
 class Host(Protocol):
@@ -71,12 +80,14 @@ class ClientConnection(asyncio.Protocol):
         self._pending_size = 0
         self._unavailable = False  # Triton could not be reached: answer every stream UNAVAILABLE
         self._decoder = HeaderDecoder()
+        self._known = self._decoder.known  # header blocks known by their bytes: a hit saves the decode call
         self._partial: list[bytes | memoryview] = []  # pieces of a frame not yet complete
         self._partial_size = 0
         self._partial_need = 0  # that frame's full size (0: its 9-byte header is not complete yet)
         self._preface_left = len(http2.PREFACE)
         self._block: list[bytes] = []  # HEADERS + CONTINUATION frames of a header block in progress
         self._streams = StreamTable(state, self._credit)
+        self._active = self._streams.active  # read for every DATA frame
         self._gate: StreamGate | None = None  # admission control, when on
         if state.admission.active:
             self._gate = StreamGate(
@@ -91,13 +102,16 @@ class ClientConnection(asyncio.Protocol):
         self._window_debt = 0  # DATA bytes the proxy sent the client itself (see module docstring)
         self._goaway_last: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._verdicts: dict[Verdict, Callable[[int, GrpcRule, HeaderBlock], bool]] = {
+        self._verdicts: dict[Verdict, Opener] = {
             Verdict.ALLOW: self._forward,
             Verdict.OWN: self._forward,
             Verdict.READY: self._answer_ready,
             Verdict.DENY: self._deny,
         }
-        self._handlers = (
+        # The last new stream's header block, its rule and the opener of its verdict: a client repeats the
+        # same block for every call of a method (the same object while the decoder's table is unchanged).
+        self._judged: tuple[HeaderBlock, GrpcRule | None, Opener] | None = None
+        self._frame_handlers: tuple[FrameHandler, ...] = (
             self._on_data,
             self._on_headers,
             _as_is,
@@ -108,7 +122,14 @@ class ClientConnection(asyncio.Protocol):
             _as_is,
             self._on_window_update,
             self._on_continuation,
+        ) + (_as_is,) * 246  # extension frames (types 10-255) pass on: receivers ignore unknown types
+        # Inside a header block only its CONTINUATION frames may come (RFC 7540 §6.10).
+        self._block_handlers: tuple[FrameHandler, ...] = (
+            (_interrupted,) * http2.CONTINUATION + (self._on_continuation,) + (_interrupted,) * 246
         )
+        self._handlers: tuple[FrameHandler, ...] = (
+            self._frame_handlers
+        )  # by frame type; the block's own while a header block is open
 
     # ---------------------------------------------------------------------------------- lifecycle
 
@@ -210,19 +231,29 @@ class ClientConnection(asyncio.Protocol):
     # ---------------------------------------------------------------------------------- Triton's side
 
     def response_headers(self, stream_id: int, end_stream: bool, status: bytes | None) -> None:
-        stream = self._streams.active.get(stream_id)
-        if stream is not None:
-            stream.headers_sent = True
-            if end_stream:
-                self.response_ended(stream_id, grpc_replies.STATUS_LABELS.get(status or b"", "unknown"))
+        if not end_stream:
+            stream = self._active.get(stream_id)
+            if stream is not None:
+                stream.headers_sent = True
+        elif (
+            self._streams.finish(stream_id, _STATUS_LABELS.get(status or b"", "unknown"))
+            and self._goaway_last is not None
+        ):
+            self._close_if_drained()
 
     def response_ended(self, stream_id: int, code: str) -> None:
-        if self._streams.finish(stream_id, code):
+        if self._streams.finish(stream_id, code) and self._goaway_last is not None:
             self._close_if_drained()
 
     # ---------------------------------------------------------------------------------- client's side
 
     def data_received(self, data: bytes) -> None:
+        if self._pending is None and not self._partial and not self._unavailable:
+            try:  # the common case: Triton's connection is open, no frame left over from the last read
+                self._relay_frames(data, 0)
+            except (http2.FrameError, HpackError) as exc:
+                self._fail(exc)
+            return
         if self._pending is not None:  # Triton's connection is still opening
             if self._connecting is None:
                 self._silence.cancel()
@@ -240,12 +271,15 @@ class ClientConnection(asyncio.Protocol):
             if pos >= 0:
                 self._relay_frames(data, pos)
         except (http2.FrameError, HpackError) as exc:
-            logger.warning("closing a gRPC client connection: %s", exc)
-            code = _COMPRESSION_ERROR if isinstance(exc, HpackError) else http2.PROTOCOL_ERROR
-            self._close_with(http2.goaway(self._streams.client_max, code))
+            self._fail(exc)
             return
         if self._unavailable and self._streams.local:  # every stream so far is answered: go away
             self._close_with(http2.goaway(self._streams.client_max))
+
+    def _fail(self, exc: http2.FrameError | HpackError) -> None:
+        logger.warning("closing a gRPC client connection: %s", exc)
+        code = _COMPRESSION_ERROR if isinstance(exc, HpackError) else http2.PROTOCOL_ERROR
+        self._close_with(http2.goaway(self._streams.client_max, code))
 
     def _close_with(self, frames: bytes) -> None:
         """Send the client these last frames, then close (pending writes are flushed first)."""
@@ -275,21 +309,17 @@ class ClientConnection(asyncio.Protocol):
         return need
 
     def _relay_frames(self, data: bytes, start: int) -> None:
-        pos, end = start + self._skip_preface(data, start), len(data)
+        """Judge the whole frames of ``data[start:]``, keep an incomplete last one, forward the rest."""
+        pos, end = start + self._skip_preface(data, start) if self._preface_left else start, len(data)
         chunks: list[bytes | memoryview] = []
         run = start  # bytes from here on are forwarded as they are (the preface included)
-        handlers, unpack = self._handlers, http2.FRAME_HEADER.unpack_from
-        while end - pos >= http2.HEADER_SIZE:
+        unpack = http2.FRAME_HEADER.unpack_from
+        while end - pos >= _HEADER_SIZE:
             high, low, kind, flags, stream_id = unpack(data, pos)
-            stop = pos + http2.HEADER_SIZE + (high << 16 | low)
+            stop = pos + _HEADER_SIZE + (high << 16 | low)
             if stop > end:
                 break
-            if self._block and kind != http2.CONTINUATION:
-                raise http2.FrameError("a header block was interrupted by another frame (RFC 7540 §6.10)")
-            if kind < 10:
-                replacement = handlers[kind](data, pos, stop, flags, stream_id & http2.STREAM_ID_MASK)
-            else:
-                replacement = None  # an extension frame: passed on (receivers ignore unknown types)
+            replacement = self._handlers[kind](data, pos, stop, flags, stream_id & _STREAM_ID_MASK)
             if replacement is not None:
                 if run < pos:
                     chunks.append(memoryview(data)[run:pos])
@@ -297,36 +327,34 @@ class ClientConnection(asyncio.Protocol):
                     chunks.append(replacement)
                 run = stop
             pos = stop
-        if pos < end:  # keep the incomplete frame (a view: no copy yet)
-            self._partial.append(memoryview(data)[pos:])
-            self._partial_size = end - pos
-            if self._partial_size >= http2.HEADER_SIZE:
-                self._partial_need = http2.HEADER_SIZE + http2.parse_header(data, pos)[0]
-        self._send(data, run, pos, chunks)
+        if pos < end:
+            self._keep_partial(data, pos)
+        upstream = self._upstream
+        if upstream is None or upstream.transport is None or upstream.transport.is_closing():
+            return
+        if chunks:
+            if run < pos:
+                chunks.append(memoryview(data)[run:pos])
+            upstream.transport.writelines(chunks)
+        elif run == 0 and pos == end:
+            upstream.transport.write(data)
+        elif run < pos:
+            upstream.transport.write(memoryview(data)[run:pos])
+
+    def _keep_partial(self, data: bytes, pos: int) -> None:
+        """Keep the incomplete frame at the end of a read (a view: no copy yet)."""
+        self._partial.append(memoryview(data)[pos:])
+        self._partial_size = len(data) - pos
+        if self._partial_size >= _HEADER_SIZE:
+            self._partial_need = _HEADER_SIZE + http2.parse_header(data, pos)[0]
 
     def _skip_preface(self, data: bytes, pos: int) -> int:
-        if not self._preface_left:
-            return 0
         offset = len(http2.PREFACE) - self._preface_left
         take = min(self._preface_left, len(data) - pos)
         if data[pos : pos + take] != http2.PREFACE[offset : offset + take]:
             raise http2.FrameError("the client did not start with the HTTP/2 preface (is it a gRPC client?)")
         self._preface_left -= take
         return take
-
-    def _send(self, data: bytes, run: int, end: int, chunks: list[bytes | memoryview]) -> None:
-        upstream = self._upstream
-        if upstream is None or upstream.transport is None or upstream.transport.is_closing():
-            return
-        if not chunks:
-            if run == 0 and end == len(data):
-                upstream.transport.write(data)
-            elif run < end:
-                upstream.transport.write(memoryview(data)[run:end])
-            return
-        if run < end:
-            chunks.append(memoryview(data)[run:end])
-        upstream.transport.writelines(chunks)
 
     def _to_upstream(self, frames: bytes) -> None:
         """The proxy's own frames (or held ones) to Triton, between whole client frames."""
@@ -343,24 +371,25 @@ class ClientConnection(asyncio.Protocol):
     # Frame handlers: return None to forward the frame as it is, b"" to drop it, or bytes to send instead.
 
     def _on_data(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-        stream = self._streams.active.get(stream_id)
+        stream = self._active.get(stream_id)
         if stream is None:
             known = self._streams.known_upstream(stream_id)
-            return None if known else self._drop_data(stop - pos - http2.HEADER_SIZE)
-        if stream.inspector is None:
+            return None if known else self._drop_data(stop - pos - _HEADER_SIZE)
+        inspector = stream.inspector
+        if inspector is None:
             return None
-        start, end = pos + http2.HEADER_SIZE, stop
         if flags & http2.PADDED:
-            first, last = http2.data_content(flags, memoryview(data)[start:stop])
-            start, end = start + first, start + last
-        refusal = stream.inspector.feed(data, start, end)
+            first, last = http2.data_content(flags, memoryview(data)[pos + _HEADER_SIZE : stop])
+            refusal = inspector.feed(data, pos + _HEADER_SIZE + first, pos + _HEADER_SIZE + last)
+        else:
+            refusal = inspector.feed(data, pos + _HEADER_SIZE, stop)
         if refusal is None:
             if stream.ticket is None:
                 return None
             assert self._gate is not None
             return self._gate.hold(stream_id, stream, data, pos, stop, flags)
         self._refuse_forwarded(stream_id, refusal)
-        self._drop_data(stop - pos - http2.HEADER_SIZE)
+        self._drop_data(stop - pos - _HEADER_SIZE)
         return http2.rst_stream(stream_id, http2.CANCEL)
 
     def _drop_data(self, length: int) -> bytes:
@@ -401,14 +430,15 @@ class ClientConnection(asyncio.Protocol):
         return http2.window_update(0, increment - paid)
 
     def _on_headers(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-        if self._block:
-            raise http2.FrameError("HEADERS frame inside another stream's header block")
-        if not flags & http2.END_HEADERS:
+        if flags & _BARE_MASK == http2.END_HEADERS:  # the common case: a whole block, no padding or priority
+            fragment = data[pos + _HEADER_SIZE : stop]
+            return self._on_header_block(stream_id, flags, self._known.get(fragment) or self._decoder.decode(fragment))
+        if not flags & http2.END_HEADERS:  # a header block in several frames: its CONTINUATIONs come next
             self._block.append(data[pos:stop])
+            self._handlers = self._block_handlers
             return b""
-        frame = memoryview(data)[pos:stop]
-        fragment = http2.header_block_fragment(flags, memoryview(frame)[http2.HEADER_SIZE :])
-        return self._on_header_block(stream_id, flags, bytes(fragment))
+        fragment = bytes(http2.header_block_fragment(flags, memoryview(data)[pos + _HEADER_SIZE : stop]))
+        return self._on_header_block(stream_id, flags, self._decoder.decode(fragment))
 
     def _on_continuation(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
         if not self._block or http2.parse_header(self._block[0], 0)[3] != stream_id:
@@ -419,16 +449,16 @@ class ClientConnection(asyncio.Protocol):
         if not flags & http2.END_HEADERS:
             return b""
         frames, self._block = self._block, []
+        self._handlers = self._frame_handlers
         first_flags = http2.parse_header(frames[0], 0)[2]
         fragments = [http2.header_block_fragment(first_flags, memoryview(frames[0])[http2.HEADER_SIZE :])]
         fragments += [memoryview(f)[http2.HEADER_SIZE :] for f in frames[1:]]
-        result = self._on_header_block(stream_id, first_flags, b"".join(fragments))
+        result = self._on_header_block(stream_id, first_flags, self._decoder.decode(b"".join(fragments)))
         return b"".join(frames) if result is None else result
 
-    def _on_header_block(self, stream_id: int, flags: int, fragment: bytes) -> bytes | None:
-        """A complete header block: judge a new stream, then forward it as is (None), re-encoded (bytes)
-        or not at all (b"")."""
-        block = self._decoder.decode(fragment)
+    def _on_header_block(self, stream_id: int, flags: int, block: HeaderBlock) -> bytes | None:
+        """A complete header block, decoded: judge a new stream, then forward it as is (None), re-encoded
+        (bytes) or not at all (b"")."""
         if stream_id > self._streams.client_max:
             self._streams.client_max = stream_id
             if not self._open_stream(stream_id, block):
@@ -456,8 +486,11 @@ class ClientConnection(asyncio.Protocol):
 
     def _open_stream(self, stream_id: int, block: HeaderBlock) -> bool:
         """A client opened a stream: forward it (True) or answer it here (False)."""
-        path = (block.path or b"").decode("latin-1")
-        rule = judge_grpc_method(path)
+        judged = self._judged
+        if judged is None or judged[0] is not block:
+            rule = judge_grpc_method((block.path or b"").decode("latin-1"))
+            judged = self._judged = (block, rule, self._verdicts[rule.verdict] if rule else self._deny)
+        rule = judged[1]
         if block.ambiguous:
             # Malformed (RFC 7540 §8.1.2.3), and Triton might act on another :path than the one judged here.
             self._streams.answer_locally(stream_id)
@@ -473,10 +506,12 @@ class ClientConnection(asyncio.Protocol):
             self._streams.answer_locally(stream_id)  # after GOAWAY: refused, the client may retry elsewhere
             self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
         elif rule is None:
-            shown = clip_path(path.encode("latin-1").decode("utf-8", errors="replace"))
-            self._refuse_local(stream_id, "unknown", GRPC_UNIMPLEMENTED, f"method {shown} is not available", "unknown")
+            path = (block.path or b"").decode("utf-8", errors="replace")
+            self._refuse_local(
+                stream_id, "unknown", GRPC_UNIMPLEMENTED, f"method {clip_path(path)} is not available", "unknown"
+            )
         else:
-            return self._verdicts[rule.verdict](stream_id, rule, block)
+            return judged[2](stream_id, rule, block)
         return False
 
     def _authenticated(self, rule: GrpcRule | None, block: HeaderBlock) -> bool:
@@ -568,3 +603,7 @@ def _pause_reading(transport: asyncio.Transport | None, paused: bool) -> None:
 
 def _as_is(data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
     return None
+
+
+def _interrupted(data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
+    raise http2.FrameError("a header block was interrupted by another frame (RFC 7540 §6.10)")

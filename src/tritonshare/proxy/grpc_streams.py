@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from tritonshare.proxy.admission import Ticket
 from tritonshare.proxy.grpc_replies import STATUS_NAMES
+from tritonshare.proxy.metrics import RouteMeter
 from tritonshare.proxy.policy import GrpcRule
 from tritonshare.proxy.protobuf import MessageInspector, Refusal
 from tritonshare.proxy.state import ProxyState
@@ -30,6 +31,7 @@ class Stream:
     """A stream forwarded to Triton and not yet finished."""
 
     rule: GrpcRule
+    meter: RouteMeter  # its route's numbers
     started: float
     inspector: MessageInspector | None  # OWN RPCs: judges each request message
     headers_sent: bool = False  # Triton has sent response headers on it
@@ -45,16 +47,22 @@ class StreamTable:
         self._state = state
         self._admission = state.admission
         self._credit = credit
-        self.active: dict[int, Stream] = {}
+        self.active: dict[int, Stream] = {}  # one dict for the table's life (the relay keeps a reference)
         self.reset: dict[int, None] = {}  # forwarded, then reset by the proxy
         self.local: dict[int, None] = {}  # answered by the proxy
         self.client_max = 0  # highest stream id the client opened
         self.upstream_max = 0  # highest stream id forwarded to Triton
+        self._meters: dict[str, RouteMeter] = {}  # by route
 
     def forward(self, stream_id: int, rule: GrpcRule, inspector: MessageInspector | None) -> Stream:
-        stream = self.active[stream_id] = Stream(rule, self._state.begin(PROTOCOL), inspector)
+        meter = self._meters.get(rule.route) or self._meter(rule.route)
+        stream = self.active[stream_id] = Stream(rule, meter, meter.begin(), inspector)
         self.upstream_max = stream_id
         return stream
+
+    def _meter(self, route: str) -> RouteMeter:
+        meter = self._meters[route] = self._state.metrics.meter(PROTOCOL, route)
+        return meter
 
     def answer_locally(self, stream_id: int) -> None:
         _remember(self.local, stream_id)
@@ -71,7 +79,7 @@ class StreamTable:
             return False
         if stream.ticket is not None or stream.holding:
             self._leave(stream)
-        self._state.end(PROTOCOL, stream.rule.route, code, stream.started)
+        stream.meter.end(code, stream.started)
         return True
 
     def refuse(self, stream_id: int, refusal: Refusal) -> Stream:
@@ -80,7 +88,7 @@ class StreamTable:
         if stream.ticket is not None or stream.holding:
             self._leave(stream)
         _remember(self.reset, stream_id)
-        self._state.end(PROTOCOL, stream.rule.route, STATUS_NAMES[refusal.status], stream.started)
+        stream.meter.end(STATUS_NAMES[refusal.status], stream.started)
         self._state.metrics.refused(PROTOCOL, stream.rule.route, refusal.reason)
         return stream
 
@@ -92,11 +100,12 @@ class StreamTable:
         return True
 
     def end_all(self, code: str) -> None:
-        streams, self.active = self.active, {}
-        for stream in streams.values():
+        streams = list(self.active.values())
+        self.active.clear()
+        for stream in streams:
             if stream.ticket is not None or stream.holding:
                 self._leave(stream)
-            self._state.end(PROTOCOL, stream.rule.route, code, stream.started)
+            stream.meter.end(code, stream.started)
 
     def _leave(self, stream: Stream) -> None:
         """An admission-controlled stream is over: its slot goes to the next waiter, or it leaves the

@@ -23,6 +23,11 @@ from tritonshare.proxy.hpack_codec import HeaderBlock, HeaderDecoder, HpackError
 logger = logging.getLogger(__name__)
 
 _PASS, _DROP, _HOLD = range(3)
+# The frame constants read for every frame, as module globals (an attribute lookup each is measurable).
+_FRAME_HEADER, _HEADER_SIZE, _STREAM_ID_MASK = http2.FRAME_HEADER, http2.HEADER_SIZE, http2.STREAM_ID_MASK
+_DATA, _HEADERS, _WINDOW_UPDATE = http2.DATA, http2.HEADERS, http2.WINDOW_UPDATE
+_END_STREAM, _END_HEADERS = http2.END_STREAM, http2.END_HEADERS
+_BARE_MASK = http2.END_HEADERS | http2.PADDED | http2.PRIORITY_FLAG  # equal to END_HEADERS: a plain HEADERS
 
 
 class StreamOwner(Protocol):
@@ -56,6 +61,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._block: list[bytes] = []  # frames of a held header block awaiting END_HEADERS
         self._queued: list[bytes] = []  # the proxy's frames waiting for the end of the current frame
         self._decoder: HeaderDecoder | None = HeaderDecoder()  # None once Triton's blocks could not be read
+        self._known = self._decoder.known  # its blocks known by their bytes (empty for good once it is None)
+        self._reset = owner.reset_streams
 
     # ---------------------------------------------------------------------------------- asyncio
 
@@ -91,39 +98,61 @@ class UpstreamConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._head:
             data, self._head = self._head + data, b""
-        end = len(data)
         chunks: list[bytes | memoryview] = []
-        pos = run = self._continue_frame(data, chunks)
-        unpack, reset = http2.FRAME_HEADER.unpack_from, self._owner.reset_streams
-        if self._mode == _PASS:
-            run = 0
-        while pos < end:
-            if self._queued:
-                run = self._flush_queued(data, run, pos, chunks)
-            if end - pos < http2.HEADER_SIZE:
-                self._head = data[pos:]
-                end = pos
-                break
+        pos = self._continue_frame(data, chunks) if self._left else 0
+        run = 0 if self._mode == _PASS else pos  # bytes from here on pass as they are
+        if self._queued and not self._left:
+            run = self._flush_queued(data, run, pos, chunks)
+        end, unpack, reset = len(data), _FRAME_HEADER.unpack_from, self._owner.reset_streams
+        while end - pos >= _HEADER_SIZE:
             high, low, kind, flags, stream_id = unpack(data, pos)
-            length = high << 16 | low
-            stop = pos + http2.HEADER_SIZE + length
-            stream_id &= http2.STREAM_ID_MASK
-            if kind == http2.DATA and not flags & http2.END_STREAM and stream_id not in reset:
-                mode = _PASS  # the common case, decided without a call
-            elif kind == http2.HEADERS and flags & http2.END_HEADERS and stop <= end and stream_id not in reset:
-                mode = self._headers(stream_id, flags, memoryview(data)[pos + http2.HEADER_SIZE : stop])
+            stop = pos + _HEADER_SIZE + (high << 16 | low)
+            if (kind == _WINDOW_UPDATE or kind == _DATA and not flags & _END_STREAM) and (
+                not reset or stream_id & _STREAM_ID_MASK not in reset
+            ):
+                pos = stop  # the common frames pass, decided without a call
             else:
-                mode = self._classify(kind, flags, stream_id, length)
-            if mode == _PASS:
-                pos = min(stop, end)
-                self._left, self._mode = stop - pos, _PASS
-                continue
+                pos, run = self._frame(data, pos, stop, run, chunks, kind, flags, stream_id & _STREAM_ID_MASK)
+        if pos > end:  # the last frame passes on in the next reads
+            self._left, self._mode = pos - end, _PASS
+        elif pos < end:  # a frame header split across reads
+            self._head = data[pos:]
+            end = pos
+        elif self._queued and not self._left:
+            run = self._flush_queued(data, run, end, chunks)
+        self._write(data, run, end, chunks)
+
+    def _frame(
+        self,
+        data: bytes,
+        pos: int,
+        stop: int,
+        run: int,
+        chunks: list[bytes | memoryview],
+        kind: int,
+        flags: int,
+        sid: int,
+    ) -> tuple[int, int]:
+        """Any frame but DATA and WINDOW_UPDATE passing: read what matters, pass, hold or drop it. Returns where
+        reading goes on and where the bytes that pass as they are start."""
+        end = len(data)
+        if kind == _HEADERS and flags & _BARE_MASK == _END_HEADERS and stop <= end and sid not in self._reset:
+            # A header block in one frame with no padding or priority, whole in this read: read, passed.
+            fragment = data[pos + _HEADER_SIZE : stop]
+            block = self._known.get(fragment) or self._decode(fragment)
+            self._owner.response_headers(sid, flags & _END_STREAM == _END_STREAM, block.status if block else None)
+            mode = _PASS
+        else:
+            mode = self._classify(kind, flags, sid, stop - pos - _HEADER_SIZE)
+        if mode != _PASS:
             if run < pos:
                 chunks.append(memoryview(data)[run:pos])
             pos = run = self._divert(data, pos, stop, mode, chunks)
-        if self._queued and not self._left:
-            run = self._flush_queued(data, run, end, chunks)
-        self._write(data, run, end, chunks)
+        else:
+            pos = stop
+        if self._queued and pos < end:
+            run = self._flush_queued(data, run, pos, chunks)
+        return pos, run
 
     def _divert(self, data: bytes, pos: int, stop: int, mode: int, chunks: list[bytes | memoryview]) -> int:
         """Drop or hold the frame at ``pos`` instead of passing it; returns where reading goes on."""
@@ -159,23 +188,14 @@ class UpstreamConnection(asyncio.Protocol):
     def _write(self, data: bytes, run: int, end: int, chunks: list[bytes | memoryview]) -> None:
         if self._client.is_closing():
             return
-        if not chunks:
-            if run == 0 and end == len(data):
-                self._client.write(data)
-            elif run < end:
-                self._client.write(memoryview(data)[run:end])
-            return
-        if run < end:
-            chunks.append(memoryview(data)[run:end])
-        self._client.writelines(chunks)
-
-    def _headers(self, stream_id: int, flags: int, payload: memoryview) -> int:
-        """A header block in one frame, whole in this read (the common case): read it, pass it."""
-        block = self._decode(bytes(http2.header_block_fragment(flags, payload)))
-        self._owner.response_headers(
-            stream_id, bool(flags & http2.END_STREAM), block.get(b"grpc-status") if block else None
-        )
-        return _PASS
+        if chunks:
+            if run < end:
+                chunks.append(memoryview(data)[run:end])
+            self._client.writelines(chunks)
+        elif run == 0 and end == len(data):
+            self._client.write(data)
+        elif run < end:
+            self._client.write(memoryview(data)[run:end])
 
     def _classify(self, kind: int, flags: int, stream_id: int, length: int) -> int:
         if kind == http2.HEADERS or kind == http2.CONTINUATION:
@@ -208,7 +228,7 @@ class UpstreamConnection(asyncio.Protocol):
         if stream_id in self._owner.reset_streams:
             keep = block.changes_table if block is not None else changes_table(fragment)
             return frames if keep else []
-        status = block.get(b"grpc-status") if block is not None else None
+        status = block.status if block is not None else None
         self._owner.response_headers(stream_id, bool(first_flags & http2.END_STREAM), status)
         return frames
 
@@ -219,7 +239,7 @@ class UpstreamConnection(asyncio.Protocol):
             return self._decoder.decode(fragment)
         except HpackError as exc:  # never break the relay over it: stop reading statuses on this connection
             logger.warning("cannot decode Triton's response headers (%s): statuses not read on this connection", exc)
-            self._decoder = None
+            self._decoder, self._known = None, {}
             return None
 
     def _clamp_goaway(self, frame: bytes) -> bytes:

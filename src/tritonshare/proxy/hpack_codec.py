@@ -57,17 +57,20 @@ class HeaderBlock:
     path: bytes | None  # what the relay judges, read once per distinct block
     encoding: bytes | None  # grpc-encoding
     ambiguous: bool  # :path or grpc-encoding given more than once: readers might disagree on which counts
+    status: bytes | None  # grpc-status (of a response's trailers), read once per distinct block
 
     @classmethod
     def of(cls, headers: tuple[Header, ...], changes_table: bool) -> HeaderBlock:
         paths = [value for name, value in headers if name == b":path"]
         encodings = [value for name, value in headers if name == b"grpc-encoding"]
+        statuses = [value for name, value in headers if name == b"grpc-status"]
         return cls(
             headers,
             changes_table,
             paths[0] if paths else None,
             encodings[0] if encodings else None,
             len(paths) > 1 or len(encodings) > 1,
+            statuses[0] if statuses else None,
         )
 
     def get(self, name: bytes) -> bytes | None:
@@ -78,17 +81,22 @@ class HeaderBlock:
 
 
 class HeaderDecoder:
-    """Decodes one direction's header blocks in order, keeping the dynamic table in step."""
+    """Decodes one direction's header blocks in order, keeping the dynamic table in step.
+
+    :attr:`known` holds the blocks seen since the table last changed that did not change it, by their bytes:
+    a hit there is what :meth:`decode` would return (hot paths look there first, saving a call). It is one
+    dict for the decoder's life, emptied when the table changes.
+    """
 
     def __init__(self, max_table_size: int = DEFAULT_TABLE_SIZE) -> None:
         self._table: deque[Header] = deque()  # newest first: dynamic index 62 is self._table[0]
         self._size = 0
         self._max_size = max_table_size
-        self._cache: dict[bytes, HeaderBlock] = {}
+        self.known: dict[bytes, HeaderBlock] = {}
         self._huffman: dict[bytes, bytes] = {}
 
     def decode(self, block: bytes) -> HeaderBlock:
-        cached = self._cache.get(block)
+        cached = self.known.get(block)
         if cached is not None:
             return cached
         try:
@@ -98,11 +106,11 @@ class HeaderDecoder:
         except HPACKDecodingError as exc:
             raise HpackError(f"invalid Huffman string in header block: {exc}") from exc
         if result.changes_table:
-            self._cache.clear()
+            self.known.clear()
         else:
-            if len(self._cache) >= _CACHE_LIMIT:
-                self._cache.clear()
-            self._cache[block] = result
+            if len(self.known) >= _CACHE_LIMIT:
+                self.known.clear()
+            self.known[block] = result
         return result
 
     def _decode(self, block: bytes) -> HeaderBlock:

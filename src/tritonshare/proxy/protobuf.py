@@ -41,6 +41,7 @@ from tritonshare.proxy.policy import (
 )
 
 MODEL_NAME_FIELD = 1
+_NAME_TAG = MODEL_NAME_FIELD << 3 | 2  # field 1, length-delimited
 # Top-level fields of ModelInferRequest that can hold parameters, and the field inside each that is the
 # parameter map (None: the top-level field is itself a map entry).
 PARAMETER_FIELDS: dict[int, int | None] = {4: None, 5: 4, 6: 2}
@@ -206,37 +207,61 @@ class FieldWalker:
         self._parts, self._hit, self._kept = None, False, 0
 
 
-def walk_message(buf: bytes, pos: int, end: int, *, inspect: bool, limit: int) -> WalkResult:
-    """:class:`FieldWalker`'s result for a message that lies whole in ``buf[pos:end]``: the fast path."""
-    result = WalkResult()
+def walk_message(buf: bytes, pos: int, end: int, inspect: bool, limit: int) -> tuple[bytes, WalkResult | None]:
+    """:class:`FieldWalker`'s reading of a message that lies whole in ``buf[pos:end]`` (the fast path): its model
+    name (field 1, the last one, at most ``_NAME_LIMIT`` bytes), and its whole :class:`WalkResult` only when
+    there is more to judge than that name (one longer than any model's, parameter fields naming
+    ``SHM_MARKER``); None in the common case, which builds no object."""
+    name, complete, details = b"", True, None
     while pos < end:
-        tag, pos = _varint_within(buf, pos, end)
-        number, wire_type = tag >> 3, tag & 7
-        if wire_type == 2:
-            length, pos = _varint_within(buf, pos, end)
+        tag = buf[pos]
+        pos += 1
+        if tag & 0x80:  # one-byte tags and lengths are read inline: a call each would cost more than the walk
+            tag, pos = _varint_within(buf, pos - 1, end)
+        if tag & 7 == 2:
+            length = buf[pos] if pos < end else 0x80
+            pos += 1
+            if length & 0x80:
+                length, pos = _varint_within(buf, pos - 1, end)
             stop = pos + length
             if stop > end:
-                raise MalformedMessage(f"field {number} runs past the end of its message")
-            if number == MODEL_NAME_FIELD:
-                result.model_name = buf[pos : min(stop, pos + _NAME_LIMIT)]
-                result.name_complete = length <= _NAME_LIMIT
-            elif inspect and number in PARAMETER_FIELDS and buf.find(SHM_MARKER, pos, stop) >= 0:
-                if length > limit:
-                    result.oversized = True
-                else:
-                    result.suspects.append((number, buf[pos:stop]))
-                    limit -= length
+                raise MalformedMessage(f"field {tag >> 3} runs past the end of its message")
+            if tag == _NAME_TAG:
+                complete = length <= _NAME_LIMIT
+                name = buf[pos : stop if complete else pos + _NAME_LIMIT]
+            elif inspect and tag >> 3 in PARAMETER_FIELDS and buf.find(SHM_MARKER, pos, stop) >= 0:
+                details = _suspect(details or WalkResult(), tag >> 3, buf[pos:stop], limit)
             pos = stop
-        elif wire_type == 0:
-            pos = _varint_within(buf, pos, end)[1]
-        elif wire_type == 1 or wire_type == 5:
-            pos += 8 if wire_type == 1 else 4
         else:
-            raise MalformedMessage(f"field {number} has wire type {wire_type} (group or invalid)")
-        if number == 0:
+            pos = _skip_scalar(buf, pos, end, tag)
+        if tag < 8:
             raise MalformedMessage("field number 0")
     if pos != end:
         raise MalformedMessage("message ends inside a field")
+    if details is None and complete:
+        return name, None
+    details = details or WalkResult()
+    details.model_name, details.name_complete = name, complete
+    return name, details
+
+
+def _skip_scalar(buf: bytes, pos: int, end: int, tag: int) -> int:
+    """Past the value of a field that is not length-delimited (``tag``'s wire type 0, 1 or 5)."""
+    wire_type = tag & 7
+    if wire_type == 0:
+        return _varint_within(buf, pos, end)[1]
+    if wire_type == 1 or wire_type == 5:
+        return pos + (8 if wire_type == 1 else 4)
+    raise MalformedMessage(f"field {tag >> 3} has wire type {wire_type} (group or invalid)")
+
+
+def _suspect(result: WalkResult, number: int, data: bytes, limit: int) -> WalkResult:
+    """A parameter field naming ``SHM_MARKER``: kept for a full parse while the kept fields of the message fit
+    in ``limit`` bytes together; beyond, the message is oversized."""
+    if len(data) > limit - sum(len(kept) for _, kept in result.suspects):
+        result.oversized = True
+    else:
+        result.suspects.append((number, data))
     return result
 
 
@@ -313,26 +338,32 @@ class MessageInspector:
 
     __slots__ = (
         "_rule",
+        "_inspect",
         "_own",
+        "_accept",
         "_encoding",
         "_limit",
         "_prefix",
         "_left",
         "_walker",
         "_inflater",
+        "_refusal",
         "messages",
         "first_end",
     )
 
     def __init__(self, rule: GrpcRule, own: bytes, *, encoding: bytes | None, limit: int) -> None:
         self._rule = rule
+        self._inspect = rule.inspect
         self._own = own
+        self._accept = own or None  # a name accepted without asking the policy (never an empty one)
         self._encoding = encoding
         self._limit = limit
-        self._prefix = bytearray()
+        self._prefix = b""  # the 5-byte prefix of a message, while it arrives in pieces
         self._left = 0  # body bytes of the current message still to come
         self._walker: FieldWalker | None = None
         self._inflater: zlib._Decompress | None = None
+        self._refusal: Refusal | None = None
         self.messages = 0  # messages judged and accepted so far
         # Where the first accepted message ended, in the buffer of the feed() call that completed it (the
         # relay holds a stream waiting for admission from that message's last byte on).
@@ -346,36 +377,49 @@ class MessageInspector:
                 if self._walker is None and not self._prefix and end - pos >= 5 and not buf[pos]:
                     stop = pos + 5 + _U32.unpack_from(buf, pos + 1)[0]
                     if stop <= end:  # a whole uncompressed message: walk it in one go
-                        result = walk_message(buf, pos + 5, stop, inspect=self._rule.inspect, limit=self._limit)
-                        refusal = self._judge(result, stop)
-                        if refusal is not None:
-                            return refusal
+                        name, details = walk_message(buf, pos + 5, stop, self._inspect, self._limit)
+                        if details is not None or name != self._accept:
+                            refusal = self._judge(name, details, stop)
+                            if refusal is not None:
+                                return refusal
+                        elif self.messages:  # the own model, nothing more to look at (as _judge, inline)
+                            self.messages += 1
+                        else:
+                            self.messages, self.first_end = 1, stop
                         pos = stop
                         continue
-                if self._walker is None:
-                    take = min(5 - len(self._prefix), end - pos)
-                    self._prefix += buf[pos : pos + take]
-                    pos += take
-                    if len(self._prefix) == 5:
-                        refusal = self._start_message(pos)
-                        if refusal is not None:
-                            return refusal
-                    continue
-                take = min(self._left, end - pos)
-                self._feed_body(buf, pos, pos + take)
-                pos += take
-                self._left -= take
-                if not self._left:
-                    refusal = self._end_message(pos)
-                    if refusal is not None:
-                        return refusal
+                pos = self._feed_piece(buf, pos, end)
+                if pos < 0:
+                    return self._refusal
         except (MalformedMessage, zlib.error) as exc:
             return Refusal(GRPC_INVALID_ARGUMENT, f"request message is not valid protobuf: {exc}", "malformed")
         return None
 
+    def _feed_piece(self, buf: bytes, pos: int, end: int) -> int:
+        """Follow a message that is not whole in ``buf[pos:end]``: its 5-byte prefix, or bytes of its body.
+        Returns where reading goes on, -1 if a message was refused (:attr:`_refusal`)."""
+        if self._walker is None:
+            take = min(5 - len(self._prefix), end - pos)
+            self._prefix += buf[pos : pos + take]
+            pos += take
+            if len(self._prefix) == 5:
+                self._refusal = self._start_message(pos)
+                if self._refusal is not None:
+                    return -1
+            return pos
+        take = min(self._left, end - pos)
+        self._feed_body(buf, pos, pos + take)
+        pos += take
+        self._left -= take
+        if not self._left:
+            self._refusal = self._end_message(pos)
+            if self._refusal is not None:
+                return -1
+        return pos
+
     def _start_message(self, pos: int) -> Refusal | None:
         flag, length = self._prefix[0], int.from_bytes(self._prefix[1:5], "big")
-        self._prefix.clear()
+        self._prefix = b""
         if flag > 1:
             raise MalformedMessage(f"gRPC message flag {flag} is neither 0 nor 1")
         self._inflater = None
@@ -390,7 +434,7 @@ class MessageInspector:
                     "compression",
                 )
             self._inflater = zlib.decompressobj(wbits)
-        self._walker = FieldWalker(inspect=self._rule.inspect, limit=self._limit)
+        self._walker = FieldWalker(inspect=self._inspect, limit=self._limit)
         self._left = length
         return self._end_message(pos) if length == 0 else None
 
@@ -413,13 +457,24 @@ class MessageInspector:
             walker.feed(rest, 0, len(rest))
             if not self._inflater.eof:
                 raise MalformedMessage(f"compressed message ends before its {self._encoding!r} stream does")
-        return self._judge(walker.finish(), pos)
+        result = walker.finish()
+        return self._judge(result.model_name, result, end=pos)
 
-    def _judge(self, result: WalkResult, end: int) -> Refusal | None:
-        """The verdict on a message that ended at ``end`` in the buffer being fed."""
-        name = result.model_name
-        if not result.name_complete or not grpc_model_allowed(self._rule, name, self._own):
+    def _judge(self, name: bytes, result: WalkResult | None, end: int) -> Refusal | None:
+        """The verdict on a message that ended at ``end`` in the buffer being fed: its model name, and the rest
+        of its walk (None: nothing but the name to judge)."""
+        complete = result is None or result.name_complete
+        if not complete or not grpc_model_allowed(self._rule, name, self._own):
             return Refusal(GRPC_NOT_FOUND, grpc_not_found(name), "other_model")
+        refusal = None if result is None else self._parameters_refusal(result)
+        if refusal is not None:
+            return refusal
+        self.messages += 1
+        if self.messages == 1:
+            self.first_end = end
+        return None
+
+    def _parameters_refusal(self, result: WalkResult) -> Refusal | None:
         if result.oversized:
             return Refusal(
                 GRPC_RESOURCE_EXHAUSTED,
@@ -432,7 +487,4 @@ class MessageInspector:
                 return Refusal(
                     GRPC_PERMISSION_DENIED, "shared-memory parameters are not available to tenants", "shared_memory"
                 )
-        self.messages += 1
-        if self.messages == 1:
-            self.first_end = end
         return None
