@@ -26,8 +26,8 @@ from collections.abc import Callable
 from tritonshare.proxy import http2
 from tritonshare.proxy.admission import GRPC_STATUS, Admission
 from tritonshare.proxy.admission import Refusal as AdmissionRefusal
+from tritonshare.proxy.grpc_messages import Refusal
 from tritonshare.proxy.grpc_streams import Stream, StreamTable
-from tritonshare.proxy.protobuf import Refusal
 
 # Ends a forwarded stream for the client with a refusal: (stream id, refusal, grpc-retry-pushback-ms).
 RefuseForwarded = Callable[[int, Refusal, int | None], None]

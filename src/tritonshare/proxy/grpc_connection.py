@@ -10,29 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol, cast
 
 from tritonshare.proxy import grpc_replies, http2
 from tritonshare.proxy.admission import LIMITED_ROUTES
-from tritonshare.proxy.auth import MESSAGE as AUTH_MESSAGE
-from tritonshare.proxy.auth import OPEN_GRPC_ROUTES
 from tritonshare.proxy.grpc_admission import StreamGate
+from tritonshare.proxy.grpc_answers import LocalAnswers
+from tritonshare.proxy.grpc_messages import MessageInspector
 from tritonshare.proxy.grpc_streams import PROTOCOL, StreamTable
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
+from tritonshare.proxy.grpc_verdicts import NewStreams
 from tritonshare.proxy.hpack_codec import HeaderBlock, HeaderDecoder, HpackError, encode_plain
 from tritonshare.proxy.policy import (
-    GRPC_PERMISSION_DENIED,
-    GRPC_UNAUTHENTICATED,
-    GRPC_UNAVAILABLE,
-    GRPC_UNIMPLEMENTED,
     GrpcRule,
     Verdict,
-    clip_path,
-    judge_grpc_method,
 )
-from tritonshare.proxy.protobuf import MessageInspector, Refusal
+from tritonshare.proxy.protobuf import MessageWalker
 from tritonshare.proxy.state import ProxyState
 
 logger = logging.getLogger(__name__)
@@ -47,8 +41,6 @@ OpenUpstream = Callable[[Callable[[], UpstreamConnection]], Awaitable[UpstreamCo
 # Reads one frame (the read, the frame's start and end in it, its flags, its stream): None forwards it as it
 # is, b"" drops it, other bytes go instead.
 FrameHandler = Callable[[bytes, int, int, int, int], bytes | None]
-# Acts on a judged new stream (stream id, its rule, its header block): True if it goes to Triton.
-Opener = Callable[[int, GrpcRule, HeaderBlock], bool]
 # Frame constants read for every frame, as module globals (an attribute lookup each is measurable).
 _HEADER_SIZE, _STREAM_ID_MASK = http2.HEADER_SIZE, http2.STREAM_ID_MASK
 _BARE_MASK = http2.END_HEADERS | http2.PADDED | http2.PRIORITY_FLAG  # equal to END_HEADERS: a plain HEADERS
@@ -71,6 +63,12 @@ class ClientConnection(asyncio.Protocol):
         self._state = state
         self._own = state.own_bytes
         self._limit = state.settings.max_json_bytes
+        # Whole request messages are walked by these (remembering their leading fields), without / with the
+        # parameter check.
+        self._walkers = (
+            MessageWalker(inspect=False, limit=self._limit),
+            MessageWalker(inspect=True, limit=self._limit),
+        )
         self._strip = frozenset(name.lower().encode() for name in state.settings.strip_headers)
         self._reencode = bool(self._strip)  # forward re-encoded header blocks instead of the client's bytes
         self.transport: asyncio.Transport | None = None
@@ -88,6 +86,7 @@ class ClientConnection(asyncio.Protocol):
         self._block: list[bytes] = []  # HEADERS + CONTINUATION frames of a header block in progress
         self._streams = StreamTable(state, self._credit)
         self._active = self._streams.active  # read for every DATA frame
+        self._answers = LocalAnswers(state, self._streams, self._to_client, self._close_if_drained)
         self._gate: StreamGate | None = None  # admission control, when on
         if state.admission.active:
             self._gate = StreamGate(
@@ -95,22 +94,17 @@ class ClientConnection(asyncio.Protocol):
                 self._streams,
                 to_client=self._to_client,
                 to_upstream=self._to_upstream,
-                refuse=self._refuse_forwarded,
+                refuse=self._answers.refuse_forwarded,
             )
         self._auth = state.auth
         self.reset_streams = self._streams.reset  # read by the Triton side for every frame
-        self._window_debt = 0  # DATA bytes the proxy sent the client itself (see module docstring)
         self._goaway_last: int | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._verdicts: dict[Verdict, Opener] = {
-            Verdict.ALLOW: self._forward,
-            Verdict.OWN: self._forward,
-            Verdict.READY: self._answer_ready,
-            Verdict.DENY: self._deny,
-        }
-        # The last new stream's header block, its rule and the opener of its verdict: a client repeats the
-        # same block for every call of a method (the same object while the decoder's table is unchanged).
-        self._judged: tuple[HeaderBlock, GrpcRule | None, Opener] | None = None
+        self._new_streams = NewStreams(state, self._streams, self._answers, self._to_client)
+        # The last new stream's header block and its rule when it was forwarded with nothing else to check (no
+        # token to check, Triton reachable, no GOAWAY sent): a client repeats the same block for every call of
+        # a method (the same object while the decoder's table is unchanged), which opens the next stream the
+        # same way, without a judgment.
+        self._forwarded: tuple[HeaderBlock, GrpcRule] | None = None
         self._frame_handlers: tuple[FrameHandler, ...] = (
             self._on_data,
             self._on_headers,
@@ -178,8 +172,7 @@ class ClientConnection(asyncio.Protocol):
         self._silence.cancel()
         if self._connecting is not None:
             self._connecting.cancel()
-        for task in self._tasks:
-            task.cancel()
+        self._answers.cancel()
         if self._upstream is not None and self._upstream.transport is not None:
             self._upstream.transport.close()
         self._streams.end_all("closed")
@@ -209,6 +202,7 @@ class ClientConnection(asyncio.Protocol):
         """GOAWAY: the client opens no new stream here; streams it already opened go on."""
         if self._goaway_last is not None:
             return
+        self._forwarded = None
         self._goaway_last = self._streams.client_max
         self._to_client(http2.goaway(self._goaway_last))
         self._close_if_drained()
@@ -224,7 +218,7 @@ class ClientConnection(asyncio.Protocol):
         return self._goaway_last
 
     def _close_if_drained(self) -> None:
-        drained = self._goaway_last is not None and not self._streams.active and not self._tasks
+        drained = self._goaway_last is not None and not self._streams.active and not self._answers.tasks
         if drained and self.transport is not None:
             asyncio.get_running_loop().call_soon(self.transport.close)
 
@@ -388,7 +382,7 @@ class ClientConnection(asyncio.Protocol):
                 return None
             assert self._gate is not None
             return self._gate.hold(stream_id, stream, data, pos, stop, flags)
-        self._refuse_forwarded(stream_id, refusal)
+        self._answers.refuse_forwarded(stream_id, refusal)
         self._drop_data(stop - pos - _HEADER_SIZE)
         return http2.rst_stream(stream_id, http2.CANCEL)
 
@@ -422,17 +416,24 @@ class ClientConnection(asyncio.Protocol):
     def _on_window_update(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
         if stream_id:
             return None if self._streams.known_upstream(stream_id) else b""
-        if not self._window_debt or stop - pos < http2.HEADER_SIZE + 4:
+        answers = self._answers
+        if not answers.window_debt or stop - pos < http2.HEADER_SIZE + 4:
             return None
         increment = http2.window_increment(memoryview(data)[pos + http2.HEADER_SIZE : stop])
-        paid = min(increment, self._window_debt)
-        self._window_debt -= paid
+        paid = min(increment, answers.window_debt)
+        answers.window_debt -= paid
         return http2.window_update(0, increment - paid)
 
     def _on_headers(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
         if flags & _BARE_MASK == http2.END_HEADERS:  # the common case: a whole block, no padding or priority
             fragment = data[pos + _HEADER_SIZE : stop]
-            return self._on_header_block(stream_id, flags, self._known.get(fragment) or self._decoder.decode(fragment))
+            block = self._known.get(fragment) or self._decoder.decode(fragment)
+            forwarded = self._forwarded
+            if forwarded is not None and forwarded[0] is block and stream_id > self._streams.client_max:
+                self._streams.client_max = stream_id  # a new stream opened as the last one was: forwarded
+                self._forward(stream_id, forwarded[1], block)
+                return self._plain_frames(stream_id, flags, block) if self._reencode else None
+            return self._on_header_block(stream_id, flags, block)
         if not flags & http2.END_HEADERS:  # a header block in several frames: its CONTINUATIONs come next
             self._block.append(data[pos:stop])
             self._handlers = self._block_handlers
@@ -486,103 +487,28 @@ class ClientConnection(asyncio.Protocol):
 
     def _open_stream(self, stream_id: int, block: HeaderBlock) -> bool:
         """A client opened a stream: forward it (True) or answer it here (False)."""
-        judged = self._judged
-        if judged is None or judged[0] is not block:
-            rule = judge_grpc_method((block.path or b"").decode("latin-1"))
-            judged = self._judged = (block, rule, self._verdicts[rule.verdict] if rule else self._deny)
-        rule = judged[1]
-        if block.ambiguous:
-            # Malformed (RFC 7540 §8.1.2.3), and Triton might act on another :path than the one judged here.
-            self._streams.answer_locally(stream_id)
-            self._to_client(http2.rst_stream(stream_id, http2.PROTOCOL_ERROR))
-            self._state.refuse(PROTOCOL, "unknown", "protocol_error", "malformed")
-        elif self._auth is not None and not self._authenticated(rule, block):
-            route = rule.route if rule else "unknown"
-            self._refuse_local(stream_id, route, GRPC_UNAUTHENTICATED, AUTH_MESSAGE, "unauthenticated")
-        elif self._unavailable:
-            message = "Triton is not reachable from the proxy; retry later"
-            self._refuse_local(stream_id, rule.route if rule else "unknown", GRPC_UNAVAILABLE, message, "unavailable")
-        elif self._goaway_last is not None and stream_id > self._goaway_last:
-            self._streams.answer_locally(stream_id)  # after GOAWAY: refused, the client may retry elsewhere
-            self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
-        elif rule is None:
-            path = (block.path or b"").decode("utf-8", errors="replace")
-            self._refuse_local(
-                stream_id, "unknown", GRPC_UNIMPLEMENTED, f"method {clip_path(path)} is not available", "unknown"
-            )
-        else:
-            return judged[2](stream_id, rule, block)
-        return False
+        rule = self._new_streams.judge(stream_id, block, unavailable=self._unavailable, goaway_last=self._goaway_last)
+        if rule is None:
+            return False
+        self._forwarded = None if self._auth is not None else (block, rule)  # (tokens: checked for every stream)
+        self._forward(stream_id, rule, block)
+        return True
 
-    def _authenticated(self, rule: GrpcRule | None, block: HeaderBlock) -> bool:
-        """Probes are open; everything else needs a valid bearer token (checked before the verdict is acted
-        on, so a caller without one learns nothing about methods)."""
-        assert self._auth is not None
-        if rule is not None and rule.route in OPEN_GRPC_ROUTES:
-            return True
-        return self._auth.check_grpc(block.get(b"authorization"))
-
-    def _forward(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> bool:
+    def _forward(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> None:
         inspector = None
         if rule.verdict is Verdict.OWN:
-            inspector = MessageInspector(rule, self._own, encoding=block.encoding, limit=self._limit)
+            walker = self._walkers[rule.inspect]
+            inspector = MessageInspector(rule, self._own, encoding=block.encoding, limit=self._limit, walker=walker)
         stream = self._streams.forward(stream_id, rule, inspector)
         if self._gate is not None and rule.route in LIMITED_ROUTES:
             self._gate.admit(stream_id, stream)
-        return True
-
-    def _deny(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> bool:
-        message = f"{rule.route} is not available to tenants"
-        self._refuse_local(stream_id, rule.route, GRPC_PERMISSION_DENIED, message, "denied")
-        return False
-
-    # ---------------------------------------------------------------------------------- local answers
-
-    def _refuse_local(self, stream_id: int, route: str, status: int, message: str, reason: str) -> None:
-        self._streams.answer_locally(stream_id)
-        self._to_client(grpc_replies.refusal(stream_id, status, message))
-        self._state.refuse(PROTOCOL, route, grpc_replies.STATUS_NAMES[status], reason)
-
-    def _refuse_forwarded(self, stream_id: int, refusal: Refusal, pushback_ms: int | None = None) -> None:
-        """A forwarded stream's message is refused: it ends for the client (the caller resets it at Triton)."""
-        stream = self._streams.refuse(stream_id, refusal)
-        frames = grpc_replies.refusal(
-            stream_id, refusal.status, refusal.message, headers_sent=stream.headers_sent, pushback_ms=pushback_ms
-        )
-        self._to_client(frames)
-        self._close_if_drained()
-
-    def _answer_ready(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> bool:
-        self._streams.answer_locally(stream_id)
-        if self._state.draining:
-            self._send_ready(stream_id, rule, False, time.perf_counter())
-            return False
-        task = asyncio.get_running_loop().create_task(self._ask_ready(stream_id, rule))
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return False
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        self._close_if_drained()
-
-    async def _ask_ready(self, stream_id: int, rule: GrpcRule) -> None:
-        started = time.perf_counter()
-        ready = await self._state.readiness.own_model_ready()
-        self._send_ready(stream_id, rule, ready and not self._state.draining, started)
-
-    def _send_ready(self, stream_id: int, rule: GrpcRule, ready: bool, started: float) -> None:
-        frames, data_bytes = grpc_replies.unary_response(stream_id, grpc_replies.READINESS_MESSAGES[rule.route][ready])
-        self._window_debt += data_bytes
-        self._to_client(frames)
-        self._state.answered(PROTOCOL, rule.route, "ok", started)
 
     # ---------------------------------------------------------------------------------- Triton down
 
     def _become_unavailable(self) -> None:
         """Triton cannot be reached: be a minimal HTTP/2 server that answers every stream UNAVAILABLE,
         then GOAWAY (see :meth:`_relay`); a client that opens no stream is let go after a while."""
-        self._unavailable = True
+        self._unavailable, self._forwarded = True, None
         self._to_client(http2.settings())
         if self.transport is not None:
             transport = self.transport

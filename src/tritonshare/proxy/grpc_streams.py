@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tritonshare.proxy.admission import Ticket
+from tritonshare.proxy.grpc_messages import MessageInspector, Refusal
 from tritonshare.proxy.grpc_replies import STATUS_NAMES
 from tritonshare.proxy.metrics import RouteMeter
 from tritonshare.proxy.policy import GrpcRule
-from tritonshare.proxy.protobuf import MessageInspector, Refusal
 from tritonshare.proxy.state import ProxyState
 
 PROTOCOL = "grpc"

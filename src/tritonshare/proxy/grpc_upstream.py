@@ -103,7 +103,7 @@ class UpstreamConnection(asyncio.Protocol):
         run = 0 if self._mode == _PASS else pos  # bytes from here on pass as they are
         if self._queued and not self._left:
             run = self._flush_queued(data, run, pos, chunks)
-        end, unpack, reset = len(data), _FRAME_HEADER.unpack_from, self._owner.reset_streams
+        end, unpack, reset, known = len(data), _FRAME_HEADER.unpack_from, self._reset, self._known
         while end - pos >= _HEADER_SIZE:
             high, low, kind, flags, stream_id = unpack(data, pos)
             stop = pos + _HEADER_SIZE + (high << 16 | low)
@@ -111,6 +111,17 @@ class UpstreamConnection(asyncio.Protocol):
                 not reset or stream_id & _STREAM_ID_MASK not in reset
             ):
                 pos = stop  # the common frames pass, decided without a call
+            elif (kind == _HEADERS and flags & _BARE_MASK == _END_HEADERS and stop <= end) and (
+                not reset or stream_id & _STREAM_ID_MASK not in reset
+            ):
+                # A header block in one frame with no padding or priority, whole in this read: read, passed.
+                fragment = data[pos + _HEADER_SIZE : stop]
+                block = known.get(fragment) or self._decode(fragment)
+                status = block.status if block is not None else None
+                self._owner.response_headers(stream_id & _STREAM_ID_MASK, flags & _END_STREAM == _END_STREAM, status)
+                pos = stop
+                if self._queued and pos < end:  # (the stream's end may have credited the client's window)
+                    run = self._flush_queued(data, run, pos, chunks)
             else:
                 pos, run = self._frame(data, pos, stop, run, chunks, kind, flags, stream_id & _STREAM_ID_MASK)
         if pos > end:  # the last frame passes on in the next reads
@@ -133,24 +144,16 @@ class UpstreamConnection(asyncio.Protocol):
         flags: int,
         sid: int,
     ) -> tuple[int, int]:
-        """Any frame but DATA and WINDOW_UPDATE passing: read what matters, pass, hold or drop it. Returns where
-        reading goes on and where the bytes that pass as they are start."""
-        end = len(data)
-        if kind == _HEADERS and flags & _BARE_MASK == _END_HEADERS and stop <= end and sid not in self._reset:
-            # A header block in one frame with no padding or priority, whole in this read: read, passed.
-            fragment = data[pos + _HEADER_SIZE : stop]
-            block = self._known.get(fragment) or self._decode(fragment)
-            self._owner.response_headers(sid, flags & _END_STREAM == _END_STREAM, block.status if block else None)
-            mode = _PASS
-        else:
-            mode = self._classify(kind, flags, sid, stop - pos - _HEADER_SIZE)
+        """A frame that is not simply passed (DATA and WINDOW_UPDATE, a header block whole in one frame, of a stream
+        not reset): pass, hold or drop it. Returns where reading goes on and where the bytes that pass start."""
+        mode = self._classify(kind, flags, sid, stop - pos - _HEADER_SIZE)
         if mode != _PASS:
             if run < pos:
                 chunks.append(memoryview(data)[run:pos])
             pos = run = self._divert(data, pos, stop, mode, chunks)
         else:
             pos = stop
-        if self._queued and pos < end:
+        if self._queued and pos < len(data):
             run = self._flush_queued(data, run, pos, chunks)
         return pos, run
 

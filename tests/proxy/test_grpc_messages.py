@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
+from tritonshare.proxy.grpc_messages import MessageInspector, Refusal
 from tritonshare.proxy.policy import (
     GRPC_INVALID_ARGUMENT,
     GRPC_NOT_FOUND,
@@ -25,7 +26,7 @@ from tritonshare.proxy.policy import (
     GRPC_UNIMPLEMENTED,
     GrpcRule,
 )
-from tritonshare.proxy.protobuf import MessageInspector, Refusal
+from tritonshare.proxy.protobuf import MessageWalker
 
 OWN = b"own"
 INFER = GRPC_RULES[f"/{GRPC_SERVICE}/ModelInfer"]
@@ -199,6 +200,32 @@ def test_large_raw_contents_are_skipped_not_buffered() -> None:
     request.raw_input_contents[0] = b"\x01" * (8 << 20)
     data = framed(request.SerializeToString())
     assert inspect(data, *range(1, len(data), 16_384), limit=1024) is None
+
+
+def test_messages_of_a_connection_repeating_leading_fields_are_still_judged_whole() -> None:
+    # One walker per connection remembers the leading fields of the last clean message: what follows them, and
+    # a message that only resembles them, must be judged as if walked from the start.
+    walker = MessageWalker(inspect=True, limit=1 << 20)
+
+    def judged(message: bytes) -> Refusal | None:
+        inspector = MessageInspector(INFER, OWN, encoding=None, limit=1 << 20, walker=walker)
+        return inspector.feed(framed(message), 0, len(framed(message)))
+
+    base = infer().SerializeToString()
+    other_contents = infer()
+    other_contents.raw_input_contents[0] = bytes(range(16, 32))
+    shm = infer()
+    shm.parameters["shared_memory_region"].string_param = "r"
+    assert judged(base) is None  # remembered: everything before raw_input_contents
+    assert judged(other_contents.SerializeToString()) is None
+    late_other = judged(base + b"\x0a\x05other")  # the same leading fields, a later name wins
+    assert late_other is not None and late_other.status == GRPC_NOT_FOUND
+    late_shm = judged(base + shm.SerializeToString().split(b"\x0a\x03own", 1)[1])
+    assert late_shm is not None and late_shm.status == GRPC_PERMISSION_DENIED
+    first_other = judged(infer("oth").SerializeToString())  # as long as the name, other bytes
+    assert first_other is not None and first_other.status == GRPC_NOT_FOUND
+    assert judged(base[:-3]) is not None  # cut inside the remembered fields' successor: malformed
+    assert judged(base) is None
 
 
 @settings(max_examples=200, deadline=None)

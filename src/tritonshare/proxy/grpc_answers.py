@@ -1,0 +1,86 @@
+"""The answers a relayed gRPC connection gives its client itself: refusals and the own model's readiness.
+
+A new stream refused here (denied, unknown method, no token, Triton unreachable) never reaches Triton; a
+forwarded stream whose message is refused ends for the client here (the relay resets it at Triton). Readiness
+(ServerReady, Health/Check) is the own model's, checked without blocking the connection: each answer is a
+task. The DATA bytes of those answers count against the client's connection window although Triton never
+sent them: :attr:`LocalAnswers.window_debt` keeps them, and the relay takes them off the client's next
+connection WINDOW_UPDATEs to Triton (see :mod:`tritonshare.proxy.grpc`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from tritonshare.proxy import grpc_replies
+from tritonshare.proxy.grpc_messages import Refusal
+from tritonshare.proxy.grpc_streams import PROTOCOL, StreamTable
+from tritonshare.proxy.policy import GrpcRule
+from tritonshare.proxy.state import ProxyState
+
+
+class LocalAnswers:
+    """What one client connection is answered by the proxy itself."""
+
+    def __init__(
+        self,
+        state: ProxyState,
+        streams: StreamTable,
+        to_client: Callable[[bytes], None],
+        settled: Callable[[], None],
+    ) -> None:
+        """``to_client``: writes the proxy's frames between Triton's; ``settled``: told when a stream or an
+        answer in progress is over (a draining connection may close then)."""
+        self._state = state
+        self._streams = streams
+        self._to_client = to_client
+        self._settled = settled
+        self.tasks: set[asyncio.Task[None]] = set()  # readiness answers in progress
+        self.window_debt = 0  # DATA bytes sent to the client here, not yet taken off its WINDOW_UPDATEs
+
+    def refuse_new(self, stream_id: int, route: str, status: int, message: str, reason: str) -> None:
+        """A new stream is refused with ``status``; Triton never sees it."""
+        self._streams.answer_locally(stream_id)
+        self._to_client(grpc_replies.refusal(stream_id, status, message))
+        self._state.refuse(PROTOCOL, route, grpc_replies.STATUS_NAMES[status], reason)
+
+    def refuse_forwarded(self, stream_id: int, refusal: Refusal, pushback_ms: int | None = None) -> None:
+        """A forwarded stream's message is refused: it ends for the client (the caller resets it at Triton)."""
+        stream = self._streams.refuse(stream_id, refusal)
+        frames = grpc_replies.refusal(
+            stream_id, refusal.status, refusal.message, headers_sent=stream.headers_sent, pushback_ms=pushback_ms
+        )
+        self._to_client(frames)
+        self._settled()
+
+    def answer_ready(self, stream_id: int, rule: GrpcRule) -> None:
+        """A readiness call: answered with the own model's readiness (not ready while draining)."""
+        self._streams.answer_locally(stream_id)
+        if self._state.draining:
+            self._send_ready(stream_id, rule, False, time.perf_counter())
+            return
+        task = asyncio.get_running_loop().create_task(self._ask_ready(stream_id, rule))
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def cancel(self) -> None:
+        """The connection is gone: answers in progress are dropped."""
+        for task in self.tasks:
+            task.cancel()
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self._settled()
+
+    async def _ask_ready(self, stream_id: int, rule: GrpcRule) -> None:
+        started = time.perf_counter()
+        ready = await self._state.readiness.own_model_ready()
+        self._send_ready(stream_id, rule, ready and not self._state.draining, started)
+
+    def _send_ready(self, stream_id: int, rule: GrpcRule, ready: bool, started: float) -> None:
+        frames, data_bytes = grpc_replies.unary_response(stream_id, grpc_replies.READINESS_MESSAGES[rule.route][ready])
+        self.window_debt += data_bytes
+        self._to_client(frames)
+        self._state.answered(PROTOCOL, rule.route, "ok", started)

@@ -1,0 +1,205 @@
+"""Judging gRPC request messages as their bytes stream past: the gRPC framing around the protobuf messages
+that :mod:`tritonshare.proxy.protobuf` walks.
+
+A gRPC message is 1 byte compressed-flag + 4 bytes big-endian length + a protobuf message, and it may be
+split across any number of HTTP/2 DATA frames. :class:`MessageInspector` follows that framing for one
+request stream: a message that lies whole in one frame is walked in one go by its connection's
+:class:`~tritonshare.proxy.protobuf.MessageWalker`; one split across frames, or compressed (grpc-encoding gzip
+or deflate: decompressed in bounded steps), by a :class:`~tritonshare.proxy.protobuf.FieldWalker` fed piece by
+piece. Each message is judged as it completes: the own model's name (field 1, the last one), and for infer
+requests no shared-memory parameter. Anything that cannot be followed — malformed protobuf, a compressed
+message in an encoding the proxy cannot read — is refused: never "allow" on a message not understood.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+from tritonshare.proxy.policy import (
+    GRPC_INVALID_ARGUMENT,
+    GRPC_NOT_FOUND,
+    GRPC_PERMISSION_DENIED,
+    GRPC_RESOURCE_EXHAUSTED,
+    GRPC_UNIMPLEMENTED,
+    GrpcRule,
+    grpc_model_allowed,
+    grpc_not_found,
+)
+from tritonshare.proxy.protobuf import FieldWalker, MalformedMessage, MessageWalker, WalkResult, names_shm_parameter
+
+_DECOMPRESS_STEP = 1 << 20  # decompressed bytes produced per step: bounds memory on compression bombs
+_U32 = struct.Struct(">L")
+_DECOMPRESSORS = {b"gzip": 31, b"deflate": 15}  # grpc-encoding → zlib wbits (gzip header / zlib header)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a request message is not forwarded, as the gRPC status the client gets."""
+
+    status: int
+    message: str
+    reason: str  # metrics label
+
+
+class MessageInspector:
+    """Follows the gRPC messages of one request stream and judges each one as it completes."""
+
+    __slots__ = (
+        "_rule",
+        "_inspect",
+        "_whole",
+        "_own",
+        "_accept",
+        "_encoding",
+        "_limit",
+        "_prefix",
+        "_left",
+        "_walker",
+        "_inflater",
+        "_refusal",
+        "messages",
+        "first_end",
+    )
+
+    def __init__(
+        self, rule: GrpcRule, own: bytes, *, encoding: bytes | None, limit: int, walker: MessageWalker | None = None
+    ) -> None:
+        """``walker``: the relayed connection's, for messages of ``rule`` (one is made if not given)."""
+        self._rule = rule
+        self._inspect = rule.inspect
+        self._whole = walker or MessageWalker(inspect=rule.inspect, limit=limit)
+        self._own = own
+        self._accept = own or None  # a name accepted without asking the policy (never an empty one)
+        self._encoding = encoding
+        self._limit = limit
+        self._prefix = b""  # the 5-byte prefix of a message, while it arrives in pieces
+        self._left = 0  # body bytes of the current message still to come
+        self._walker: FieldWalker | None = None
+        self._inflater: zlib._Decompress | None = None
+        self._refusal: Refusal | None = None
+        self.messages = 0  # messages judged and accepted so far
+        # Where the first accepted message ended, in the buffer of the feed() call that completed it (the
+        # relay holds a stream waiting for admission from that message's last byte on).
+        self.first_end = -1
+
+    def feed(self, buf: bytes, pos: int, end: int) -> Refusal | None:
+        """Feed DATA bytes ``buf[pos:end]``; the refusal of the first message completed in them that
+        must not reach Triton, if any. Once a refusal is returned, the stream is over."""
+        try:
+            while pos < end:
+                if self._walker is None and not self._prefix and end - pos >= 5 and not buf[pos]:
+                    stop = pos + 5 + _U32.unpack_from(buf, pos + 1)[0]
+                    if stop <= end:  # a whole uncompressed message: walk it in one go
+                        name, details = self._whole.walk(buf, pos + 5, stop)
+                        if details is not None or name != self._accept:
+                            refusal = self._judge(name, details, stop)
+                            if refusal is not None:
+                                return refusal
+                        elif self.messages:  # the own model, nothing more to look at (as _judge, inline)
+                            self.messages += 1
+                        else:
+                            self.messages, self.first_end = 1, stop
+                        pos = stop
+                        continue
+                pos = self._feed_piece(buf, pos, end)
+                if pos < 0:
+                    return self._refusal
+        except (MalformedMessage, zlib.error) as exc:
+            return Refusal(GRPC_INVALID_ARGUMENT, f"request message is not valid protobuf: {exc}", "malformed")
+        return None
+
+    def _feed_piece(self, buf: bytes, pos: int, end: int) -> int:
+        """Follow a message that is not whole in ``buf[pos:end]``: its 5-byte prefix, or bytes of its body.
+        Returns where reading goes on, -1 if a message was refused (:attr:`_refusal`)."""
+        if self._walker is None:
+            take = min(5 - len(self._prefix), end - pos)
+            self._prefix += buf[pos : pos + take]
+            pos += take
+            if len(self._prefix) == 5:
+                self._refusal = self._start_message(pos)
+                if self._refusal is not None:
+                    return -1
+            return pos
+        take = min(self._left, end - pos)
+        self._feed_body(buf, pos, pos + take)
+        pos += take
+        self._left -= take
+        if not self._left:
+            self._refusal = self._end_message(pos)
+            if self._refusal is not None:
+                return -1
+        return pos
+
+    def _start_message(self, pos: int) -> Refusal | None:
+        flag, length = self._prefix[0], int.from_bytes(self._prefix[1:5], "big")
+        self._prefix = b""
+        if flag > 1:
+            raise MalformedMessage(f"gRPC message flag {flag} is neither 0 nor 1")
+        self._inflater = None
+        if flag == 1:
+            wbits = _DECOMPRESSORS.get(self._encoding or b"")
+            if wbits is None:
+                shown = (self._encoding or b"(none)").decode("latin-1")
+                return Refusal(
+                    GRPC_UNIMPLEMENTED,
+                    f"the proxy cannot inspect messages compressed with "
+                    f"grpc-encoding {shown!r}; use gzip, deflate or none",
+                    "compression",
+                )
+            self._inflater = zlib.decompressobj(wbits)
+        self._walker = FieldWalker(inspect=self._inspect, limit=self._limit)
+        self._left = length
+        return self._end_message(pos) if length == 0 else None
+
+    def _feed_body(self, buf: bytes, start: int, end: int) -> None:
+        assert self._walker is not None
+        if self._inflater is None:
+            self._walker.feed(buf, start, end)
+            return
+        chunk = buf[start:end]
+        while chunk:
+            out = self._inflater.decompress(chunk, _DECOMPRESS_STEP)
+            self._walker.feed(out, 0, len(out))
+            chunk = self._inflater.unconsumed_tail
+
+    def _end_message(self, pos: int) -> Refusal | None:
+        walker, self._walker = self._walker, None
+        assert walker is not None
+        if self._inflater is not None:
+            rest = self._inflater.flush()
+            walker.feed(rest, 0, len(rest))
+            if not self._inflater.eof:
+                raise MalformedMessage(f"compressed message ends before its {self._encoding!r} stream does")
+        result = walker.finish()
+        return self._judge(result.model_name, result, end=pos)
+
+    def _judge(self, name: bytes, result: WalkResult | None, end: int) -> Refusal | None:
+        """The verdict on a message that ended at ``end`` in the buffer being fed: its model name, and the rest
+        of its walk (None: nothing but the name to judge)."""
+        complete = result is None or result.name_complete
+        if not complete or not grpc_model_allowed(self._rule, name, self._own):
+            return Refusal(GRPC_NOT_FOUND, grpc_not_found(name), "other_model")
+        refusal = None if result is None else self._parameters_refusal(result)
+        if refusal is not None:
+            return refusal
+        self.messages += 1
+        if self.messages == 1:
+            self.first_end = end
+        return None
+
+    def _parameters_refusal(self, result: WalkResult) -> Refusal | None:
+        if result.oversized:
+            return Refusal(
+                GRPC_RESOURCE_EXHAUSTED,
+                f"request parameters mention shared memory and are larger "
+                f"than the {self._limit} bytes the proxy checks",
+                "too_large",
+            )
+        for number, data in result.suspects:
+            if names_shm_parameter(number, data):
+                return Refusal(
+                    GRPC_PERMISSION_DENIED, "shared-memory parameters are not available to tenants", "shared_memory"
+                )
+        return None

@@ -1,0 +1,105 @@
+"""A new gRPC stream judged by its header block, and the verdicts the proxy answers itself acted on.
+
+The policy table (:mod:`tritonshare.proxy.policy`) judges the stream's ``:path``; before its verdict is acted
+on, a block that is malformed, a caller without a valid bearer token (when tokens are on; the probes stay
+open), an unreachable Triton and a drain each have their answer. READY is answered with the own model's
+readiness and DENY refused, here; what is left goes to Triton (the relay forwards it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tritonshare.proxy import http2
+from tritonshare.proxy.auth import MESSAGE as AUTH_MESSAGE
+from tritonshare.proxy.auth import OPEN_GRPC_ROUTES
+from tritonshare.proxy.grpc_answers import LocalAnswers
+from tritonshare.proxy.grpc_streams import PROTOCOL, StreamTable
+from tritonshare.proxy.hpack_codec import HeaderBlock
+from tritonshare.proxy.policy import (
+    GRPC_PERMISSION_DENIED,
+    GRPC_UNAUTHENTICATED,
+    GRPC_UNAVAILABLE,
+    GRPC_UNIMPLEMENTED,
+    GrpcRule,
+    Verdict,
+    clip_path,
+    judge_grpc_method,
+)
+from tritonshare.proxy.state import ProxyState
+
+# Acts on a verdict for a new stream (its id and rule): the rule again if the stream goes to Triton.
+Action = Callable[[int, GrpcRule], GrpcRule | None]
+
+
+class NewStreams:
+    """Judges the new streams of one client connection."""
+
+    def __init__(
+        self, state: ProxyState, streams: StreamTable, answers: LocalAnswers, to_client: Callable[[bytes], None]
+    ) -> None:
+        self._state = state
+        self._streams = streams
+        self._answers = answers
+        self._to_client = to_client
+        self._auth = state.auth
+        self._actions: dict[Verdict, Action] = {
+            Verdict.ALLOW: _forwarded,
+            Verdict.OWN: _forwarded,
+            Verdict.READY: self._answer_ready,
+            Verdict.DENY: self._deny,
+        }
+        # The last block judged and its rule: a client repeats the same block for every call of a method (the
+        # same object while the decoder's table is unchanged).
+        self._judged: tuple[HeaderBlock, GrpcRule | None] | None = None
+
+    def judge(
+        self, stream_id: int, block: HeaderBlock, *, unavailable: bool, goaway_last: int | None
+    ) -> GrpcRule | None:
+        """The rule of a new stream to forward to Triton; None once it is answered here. ``unavailable``: Triton
+        cannot be reached; ``goaway_last``: the last stream id of the connection's GOAWAY, if one was sent."""
+        judged = self._judged
+        if judged is None or judged[0] is not block:
+            judged = self._judged = (block, judge_grpc_method((block.path or b"").decode("latin-1")))
+        rule = judged[1]
+        route = rule.route if rule else "unknown"
+        if block.ambiguous:
+            # Malformed (RFC 7540 §8.1.2.3), and Triton might act on another :path than the one judged here.
+            self._streams.answer_locally(stream_id)
+            self._to_client(http2.rst_stream(stream_id, http2.PROTOCOL_ERROR))
+            self._state.refuse(PROTOCOL, "unknown", "protocol_error", "malformed")
+        elif self._auth is not None and not self._authenticated(rule, block):
+            self._answers.refuse_new(stream_id, route, GRPC_UNAUTHENTICATED, AUTH_MESSAGE, "unauthenticated")
+        elif unavailable:
+            message = "Triton is not reachable from the proxy; retry later"
+            self._answers.refuse_new(stream_id, route, GRPC_UNAVAILABLE, message, "unavailable")
+        elif goaway_last is not None and stream_id > goaway_last:
+            self._streams.answer_locally(stream_id)  # after GOAWAY: refused, the client may retry elsewhere
+            self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
+        elif rule is None:
+            shown = clip_path((block.path or b"").decode("utf-8", errors="replace"))
+            self._answers.refuse_new(
+                stream_id, route, GRPC_UNIMPLEMENTED, f"method {shown} is not available", "unknown"
+            )
+        else:
+            return self._actions[rule.verdict](stream_id, rule)
+        return None
+
+    def _authenticated(self, rule: GrpcRule | None, block: HeaderBlock) -> bool:
+        """Probes are open; everything else needs a valid bearer token (checked before the verdict is acted
+        on, so a caller without one learns nothing about methods)."""
+        assert self._auth is not None
+        if rule is not None and rule.route in OPEN_GRPC_ROUTES:
+            return True
+        return self._auth.check_grpc(block.get(b"authorization"))
+
+    def _answer_ready(self, stream_id: int, rule: GrpcRule) -> None:
+        self._answers.answer_ready(stream_id, rule)
+
+    def _deny(self, stream_id: int, rule: GrpcRule) -> None:
+        message = f"{rule.route} is not available to tenants"
+        self._answers.refuse_new(stream_id, rule.route, GRPC_PERMISSION_DENIED, message, "denied")
+
+
+def _forwarded(stream_id: int, rule: GrpcRule) -> GrpcRule:
+    return rule
