@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
-from tritonshare.proxy.grpc_messages import MessageInspector, Refusal
+from tritonshare.proxy.grpc_messages import MessageInspector, MessageJudge, Refusal
 from tritonshare.proxy.policy import (
     GRPC_INVALID_ARGUMENT,
     GRPC_NOT_FOUND,
@@ -51,7 +51,7 @@ def inspect(
     data: bytes, *cuts: int, rule: GrpcRule = INFER, encoding: bytes | None = None, limit: int = 1 << 20
 ) -> Refusal | None:
     """Feed ``data`` to a fresh inspector in pieces split at ``cuts``; the first refusal, if any."""
-    inspector = MessageInspector(rule, OWN, encoding=encoding, limit=limit)
+    inspector = MessageInspector(MessageJudge(rule, OWN, limit=limit), encoding=encoding)
     bounds = [0, *sorted(cuts), len(data)]
     for start, end in zip(bounds, bounds[1:], strict=False):
         refusal = inspector.feed(data, start, end)
@@ -108,7 +108,7 @@ def test_field_one_with_another_wire_type_is_not_a_name() -> None:
 
 def test_every_message_of_a_stream_is_judged() -> None:
     stream = framed(infer().SerializeToString()) * 2 + framed(infer("other").SerializeToString())
-    inspector = MessageInspector(STREAM, OWN, encoding=None, limit=1 << 20)
+    inspector = MessageInspector(MessageJudge(STREAM, OWN, limit=1 << 20), encoding=None)
     first_two = 2 * len(framed(infer().SerializeToString()))
     assert inspector.feed(stream, 0, first_two) is None
     refusal = inspector.feed(stream, first_two, len(stream))
@@ -202,14 +202,32 @@ def test_large_raw_contents_are_skipped_not_buffered() -> None:
     assert inspect(data, *range(1, len(data), 16_384), limit=1024) is None
 
 
+def test_whole_messages_are_judged_up_to_the_first_that_is_not_whole() -> None:
+    # The relay judges messages lying whole in a DATA frame with no state of the stream's, and hands the
+    # first one that does not (split across frames, or compressed) to the stream's inspector.
+    judge = MessageJudge(STREAM, OWN, limit=1 << 20)
+    own, other = framed(infer().SerializeToString()), framed(infer("other").SerializeToString())
+    compressed = framed(gzip.compress(infer().SerializeToString()), compressed=True)
+    assert judge.whole(own + own, 0, 2 * len(own)) == 2 * len(own)
+    assert judge.whole(own + own, 0, len(own) + 7) == len(own)  # the second is cut: it starts there
+    assert judge.whole(own + compressed, 0, len(own) + len(compressed)) == len(own)
+    refusal = judge.whole(own + other + own, 0, 3 * len(own) + 2)
+    assert isinstance(refusal, Refusal) and refusal.status == GRPC_NOT_FOUND
+    malformed = judge.whole(framed(b"\x0b\x00"), 0, 7)
+    assert isinstance(malformed, Refusal) and malformed.status == GRPC_INVALID_ARGUMENT
+
+
 def test_messages_of_a_connection_repeating_leading_fields_are_still_judged_whole() -> None:
     # One walker per connection remembers the leading fields of the last clean message: what follows them, and
     # a message that only resembles them, must be judged as if walked from the start.
     walker = MessageWalker(inspect=True, limit=1 << 20)
 
     def judged(message: bytes) -> Refusal | None:
-        inspector = MessageInspector(INFER, OWN, encoding=None, limit=1 << 20, walker=walker)
-        return inspector.feed(framed(message), 0, len(framed(message)))
+        judge = MessageJudge(INFER, OWN, limit=1 << 20, walker=walker)
+        whole = judge.whole(framed(message), 0, len(framed(message)))  # as the relay judges a whole message
+        fed = MessageInspector(judge, encoding=None).feed(framed(message), 0, len(framed(message)))
+        assert fed == (None if whole == len(framed(message)) else whole)
+        return fed
 
     base = infer().SerializeToString()
     other_contents = infer()

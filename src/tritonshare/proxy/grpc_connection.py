@@ -17,8 +17,8 @@ from tritonshare.proxy import grpc_replies, http2
 from tritonshare.proxy.admission import LIMITED_ROUTES
 from tritonshare.proxy.grpc_admission import StreamGate
 from tritonshare.proxy.grpc_answers import LocalAnswers
-from tritonshare.proxy.grpc_messages import MessageInspector
-from tritonshare.proxy.grpc_streams import PROTOCOL, StreamTable
+from tritonshare.proxy.grpc_messages import MessageInspector, MessageJudge, Refusal
+from tritonshare.proxy.grpc_streams import PROTOCOL, Stream, StreamTable
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
 from tritonshare.proxy.grpc_verdicts import NewStreams
 from tritonshare.proxy.hpack_codec import HeaderBlock, HeaderDecoder, HpackError, encode_plain
@@ -69,6 +69,7 @@ class ClientConnection(asyncio.Protocol):
             MessageWalker(inspect=False, limit=self._limit),
             MessageWalker(inspect=True, limit=self._limit),
         )
+        self._judges: dict[str, MessageJudge] = {}  # by route
         self._strip = frozenset(name.lower().encode() for name in state.settings.strip_headers)
         self._reencode = bool(self._strip)  # forward re-encoded header blocks instead of the client's bytes
         self.transport: asyncio.Transport | None = None
@@ -370,13 +371,18 @@ class ClientConnection(asyncio.Protocol):
             known = self._streams.known_upstream(stream_id)
             return None if known else self._drop_data(stop - pos - _HEADER_SIZE)
         inspector = stream.inspector
-        if inspector is None:
-            return None
-        if flags & http2.PADDED:
-            first, last = http2.data_content(flags, memoryview(data)[pos + _HEADER_SIZE : stop])
-            refusal = inspector.feed(data, pos + _HEADER_SIZE + first, pos + _HEADER_SIZE + last)
-        else:
-            refusal = inspector.feed(data, pos + _HEADER_SIZE, stop)
+        if inspector is not None:
+            refusal = self._inspect(inspector, data, pos, stop, flags)
+        elif stream.judge is None:
+            return None  # not inspected (ALLOW)
+        elif flags & http2.PADDED:
+            inspector = stream.inspector = MessageInspector(stream.judge, encoding=stream.encoding)
+            refusal = self._inspect(inspector, data, pos, stop, flags)
+        else:  # while every message lay whole in its frame, they are judged with no state of the stream's
+            rest = stream.judge.whole(data, pos + _HEADER_SIZE, stop)
+            if rest == stop:
+                return None
+            refusal = rest if isinstance(rest, Refusal) else self._inspect_from(stream, data, rest, stop)
         if refusal is None:
             if stream.ticket is None:
                 return None
@@ -385,6 +391,20 @@ class ClientConnection(asyncio.Protocol):
         self._answers.refuse_forwarded(stream_id, refusal)
         self._drop_data(stop - pos - _HEADER_SIZE)
         return http2.rst_stream(stream_id, http2.CANCEL)
+
+    def _inspect(self, inspector: MessageInspector, data: bytes, pos: int, stop: int, flags: int) -> Refusal | None:
+        """Feed a DATA frame's content (padding left out) to a stream's inspector."""
+        if flags & http2.PADDED:
+            first, last = http2.data_content(flags, memoryview(data)[pos + _HEADER_SIZE : stop])
+            return inspector.feed(data, pos + _HEADER_SIZE + first, pos + _HEADER_SIZE + last)
+        return inspector.feed(data, pos + _HEADER_SIZE, stop)
+
+    def _inspect_from(self, stream: Stream, data: bytes, start: int, stop: int) -> Refusal | None:
+        """A message that does not lie whole in its frame starts at ``start``: the stream follows its messages
+        from there on."""
+        assert stream.judge is not None
+        stream.inspector = MessageInspector(stream.judge, encoding=stream.encoding)
+        return stream.inspector.feed(data, start, stop)
 
     def _drop_data(self, length: int) -> bytes:
         """A client DATA frame Triton must not see: credit its bytes back to the client's window."""
@@ -495,13 +515,19 @@ class ClientConnection(asyncio.Protocol):
         return True
 
     def _forward(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> None:
-        inspector = None
+        judge = None
         if rule.verdict is Verdict.OWN:
-            walker = self._walkers[rule.inspect]
-            inspector = MessageInspector(rule, self._own, encoding=block.encoding, limit=self._limit, walker=walker)
-        stream = self._streams.forward(stream_id, rule, inspector)
+            judge = self._judges.get(rule.route) or self._new_judge(rule)
+        stream = self._streams.forward(stream_id, rule, judge, block.encoding)
         if self._gate is not None and rule.route in LIMITED_ROUTES:
+            if judge is not None:  # the gate counts the stream's messages: an inspector from the start
+                stream.inspector = MessageInspector(judge, encoding=block.encoding)
             self._gate.admit(stream_id, stream)
+
+    def _new_judge(self, rule: GrpcRule) -> MessageJudge:
+        walker = self._walkers[rule.inspect]
+        judge = self._judges[rule.route] = MessageJudge(rule, self._own, limit=self._limit, walker=walker)
+        return judge
 
     # ---------------------------------------------------------------------------------- Triton down
 

@@ -43,17 +43,73 @@ class Refusal:
     reason: str  # metrics label
 
 
+class MessageJudge:
+    """What judging the request messages of one route on one relayed connection takes: the route's rule, the own
+    model's name, the bound on parameter bytes kept for a full parse, and the connection's walker of whole
+    messages. Messages that lie whole in their DATA frames are judged by :meth:`whole`, with no state per
+    stream; a stream gets a :class:`MessageInspector` once one does not (or from its start, when the relay
+    needs to count its messages)."""
+
+    __slots__ = ("rule", "own", "accept", "limit", "walker")
+
+    def __init__(self, rule: GrpcRule, own: bytes, *, limit: int, walker: MessageWalker | None = None) -> None:
+        """``walker``: the connection's, for messages of ``rule`` (one is made if not given)."""
+        self.rule = rule
+        self.own = own
+        self.accept = own or None  # a name accepted without asking the policy (never an empty one)
+        self.limit = limit
+        self.walker = walker or MessageWalker(inspect=rule.inspect, limit=limit)
+
+    def whole(self, buf: bytes, pos: int, end: int) -> int | Refusal:
+        """Judge the uncompressed messages that lie whole at the start of ``buf[pos:end]``: the refusal of the
+        first one refused, or where the first one that does not lie whole starts (``end`` if none)."""
+        try:
+            while end - pos >= 5 and not buf[pos]:
+                stop = pos + 5 + _U32.unpack_from(buf, pos + 1)[0]
+                if stop > end:
+                    break
+                name, details = self.walker.walk(buf, pos + 5, stop)
+                if details is not None or name != self.accept:
+                    refusal = self.verdict(name, details)
+                    if refusal is not None:
+                        return refusal
+                pos = stop
+        except MalformedMessage as exc:
+            return _malformed(exc)
+        return pos
+
+    def verdict(self, name: bytes, result: WalkResult | None) -> Refusal | None:
+        """The refusal of a message naming ``name`` with the rest of its walk (None: nothing but the name to
+        judge), if it is refused."""
+        complete = result is None or result.name_complete
+        if not complete or not grpc_model_allowed(self.rule, name, self.own):
+            return Refusal(GRPC_NOT_FOUND, grpc_not_found(name), "other_model")
+        if result is None:
+            return None
+        if result.oversized:
+            return Refusal(
+                GRPC_RESOURCE_EXHAUSTED,
+                f"request parameters mention shared memory and are larger than the {self.limit} bytes the proxy checks",
+                "too_large",
+            )
+        for number, data in result.suspects:
+            if names_shm_parameter(number, data):
+                return Refusal(
+                    GRPC_PERMISSION_DENIED, "shared-memory parameters are not available to tenants", "shared_memory"
+                )
+        return None
+
+
+def _malformed(exc: Exception) -> Refusal:
+    return Refusal(GRPC_INVALID_ARGUMENT, f"request message is not valid protobuf: {exc}", "malformed")
+
+
 class MessageInspector:
     """Follows the gRPC messages of one request stream and judges each one as it completes."""
 
     __slots__ = (
-        "_rule",
-        "_inspect",
-        "_whole",
-        "_own",
-        "_accept",
+        "_judge",
         "_encoding",
-        "_limit",
         "_prefix",
         "_left",
         "_walker",
@@ -63,17 +119,10 @@ class MessageInspector:
         "first_end",
     )
 
-    def __init__(
-        self, rule: GrpcRule, own: bytes, *, encoding: bytes | None, limit: int, walker: MessageWalker | None = None
-    ) -> None:
-        """``walker``: the relayed connection's, for messages of ``rule`` (one is made if not given)."""
-        self._rule = rule
-        self._inspect = rule.inspect
-        self._whole = walker or MessageWalker(inspect=rule.inspect, limit=limit)
-        self._own = own
-        self._accept = own or None  # a name accepted without asking the policy (never an empty one)
+    def __init__(self, judge: MessageJudge, *, encoding: bytes | None) -> None:
+        """``encoding``: the stream's grpc-encoding (compressed messages are decompressed to be walked)."""
+        self._judge = judge
         self._encoding = encoding
-        self._limit = limit
         self._prefix = b""  # the 5-byte prefix of a message, while it arrives in pieces
         self._left = 0  # body bytes of the current message still to come
         self._walker: FieldWalker | None = None
@@ -92,9 +141,10 @@ class MessageInspector:
                 if self._walker is None and not self._prefix and end - pos >= 5 and not buf[pos]:
                     stop = pos + 5 + _U32.unpack_from(buf, pos + 1)[0]
                     if stop <= end:  # a whole uncompressed message: walk it in one go
-                        name, details = self._whole.walk(buf, pos + 5, stop)
-                        if details is not None or name != self._accept:
-                            refusal = self._judge(name, details, stop)
+                        judge = self._judge
+                        name, details = judge.walker.walk(buf, pos + 5, stop)
+                        if details is not None or name != judge.accept:
+                            refusal = self._judge_message(name, details, stop)
                             if refusal is not None:
                                 return refusal
                         elif self.messages:  # the own model, nothing more to look at (as _judge, inline)
@@ -107,7 +157,7 @@ class MessageInspector:
                 if pos < 0:
                     return self._refusal
         except (MalformedMessage, zlib.error) as exc:
-            return Refusal(GRPC_INVALID_ARGUMENT, f"request message is not valid protobuf: {exc}", "malformed")
+            return _malformed(exc)
         return None
 
     def _feed_piece(self, buf: bytes, pos: int, end: int) -> int:
@@ -149,7 +199,7 @@ class MessageInspector:
                     "compression",
                 )
             self._inflater = zlib.decompressobj(wbits)
-        self._walker = FieldWalker(inspect=self._inspect, limit=self._limit)
+        self._walker = FieldWalker(inspect=self._judge.rule.inspect, limit=self._judge.limit)
         self._left = length
         return self._end_message(pos) if length == 0 else None
 
@@ -173,33 +223,14 @@ class MessageInspector:
             if not self._inflater.eof:
                 raise MalformedMessage(f"compressed message ends before its {self._encoding!r} stream does")
         result = walker.finish()
-        return self._judge(result.model_name, result, end=pos)
+        return self._judge_message(result.model_name, result, end=pos)
 
-    def _judge(self, name: bytes, result: WalkResult | None, end: int) -> Refusal | None:
-        """The verdict on a message that ended at ``end`` in the buffer being fed: its model name, and the rest
-        of its walk (None: nothing but the name to judge)."""
-        complete = result is None or result.name_complete
-        if not complete or not grpc_model_allowed(self._rule, name, self._own):
-            return Refusal(GRPC_NOT_FOUND, grpc_not_found(name), "other_model")
-        refusal = None if result is None else self._parameters_refusal(result)
+    def _judge_message(self, name: bytes, result: WalkResult | None, end: int) -> Refusal | None:
+        """The verdict on a message that ended at ``end`` in the buffer being fed (see MessageJudge.verdict)."""
+        refusal = self._judge.verdict(name, result)
         if refusal is not None:
             return refusal
         self.messages += 1
         if self.messages == 1:
             self.first_end = end
-        return None
-
-    def _parameters_refusal(self, result: WalkResult) -> Refusal | None:
-        if result.oversized:
-            return Refusal(
-                GRPC_RESOURCE_EXHAUSTED,
-                f"request parameters mention shared memory and are larger "
-                f"than the {self._limit} bytes the proxy checks",
-                "too_large",
-            )
-        for number, data in result.suspects:
-            if names_shm_parameter(number, data):
-                return Refusal(
-                    GRPC_PERMISSION_DENIED, "shared-memory parameters are not available to tenants", "shared_memory"
-                )
         return None

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tritonshare.proxy.admission import Ticket
-from tritonshare.proxy.grpc_messages import MessageInspector, Refusal
+from tritonshare.proxy.grpc_messages import MessageInspector, MessageJudge, Refusal
 from tritonshare.proxy.grpc_replies import STATUS_NAMES
 from tritonshare.proxy.metrics import RouteMeter
 from tritonshare.proxy.policy import GrpcRule
@@ -33,7 +33,9 @@ class Stream:
     rule: GrpcRule
     meter: RouteMeter  # its route's numbers
     started: float
-    inspector: MessageInspector | None  # OWN RPCs: judges each request message
+    judge: MessageJudge | None  # OWN RPCs: judges each request message
+    encoding: bytes | None  # its grpc-encoding
+    inspector: MessageInspector | None = None  # follows its messages once one does not lie whole in a frame
     headers_sent: bool = False  # Triton has sent response headers on it
     ticket: Ticket | None = None  # waiting for an admission slot, or refused one (grpc_admission.StreamGate)
     holding: bool = False  # holds an admission slot
@@ -54,9 +56,9 @@ class StreamTable:
         self.upstream_max = 0  # highest stream id forwarded to Triton
         self._meters: dict[str, RouteMeter] = {}  # by route
 
-    def forward(self, stream_id: int, rule: GrpcRule, inspector: MessageInspector | None) -> Stream:
+    def forward(self, stream_id: int, rule: GrpcRule, judge: MessageJudge | None, encoding: bytes | None) -> Stream:
         meter = self._meters.get(rule.route) or self._meter(rule.route)
-        stream = self.active[stream_id] = Stream(rule, meter, meter.begin(), inspector)
+        stream = self.active[stream_id] = Stream(rule, meter, meter.begin(), judge, encoding)
         self.upstream_max = stream_id
         return stream
 

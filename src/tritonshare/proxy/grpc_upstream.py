@@ -131,7 +131,10 @@ class UpstreamConnection(asyncio.Protocol):
             end = pos
         elif self._queued and not self._left:
             run = self._flush_queued(data, run, end, chunks)
-        self._write(data, run, end, chunks)
+        if run == 0 and end == len(data) and not chunks and not self._client.is_closing():
+            self._client.write(data)  # the common case: the read passes whole, as it came
+        else:
+            self._write(data, run, end, chunks)
 
     def _frame(
         self,
