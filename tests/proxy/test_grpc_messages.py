@@ -244,6 +244,14 @@ def test_messages_of_a_connection_repeating_leading_fields_are_still_judged_whol
     assert first_other is not None and first_other.status == GRPC_NOT_FOUND
     assert judged(base[:-3]) is not None  # cut inside the remembered fields' successor: malformed
     assert judged(base) is None
+    # A last field whose value is read (parameters) is never taken on trust, however alike the messages are.
+    clean, marked = pb.ModelInferRequest(model_name="own"), pb.ModelInferRequest(model_name="own")
+    clean.parameters["x" * len("shared_memory_region")].string_param = "r"
+    marked.parameters["shared_memory_region"].string_param = "r"
+    assert len(clean.SerializeToString()) == len(marked.SerializeToString())
+    assert judged(clean.SerializeToString()) is None
+    refused = judged(marked.SerializeToString())
+    assert refused is not None and refused.status == GRPC_PERMISSION_DENIED
 
 
 @settings(max_examples=200, deadline=None)

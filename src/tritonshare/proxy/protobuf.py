@@ -186,25 +186,36 @@ class MessageWalker:
     :class:`WalkResult` only when there is more to judge than that name (a name longer than any model's,
     parameter fields naming ``SHM_MARKER``).
 
-    It remembers the leading fields of the last message that needed no closer look — all but its last field —
-    and the name they hold: a client repeats them (model name, tensor names, shapes) in every request, only
-    the tensor contents after them differ. A walk reads left to right, so a message that starts with those
-    same bytes is in the same state after them, and its walk starts there."""
+    It remembers the last message that needed no closer look and whose last field's value it did not read (a
+    length-delimited field other than the name and, for infer requests, the parameter fields): its leading
+    fields, the name they hold, and its last field's header and length. A client repeats all of that in every
+    request (model name, tensor names and shapes, the contents' length); only the contents differ. A walk
+    reads left to right, so a message that starts with the same leading fields is in the same state after
+    them; one that also has the same last field's header, with exactly that many bytes after it, reads the
+    same as a whole — whatever those bytes are."""
 
-    __slots__ = ("_inspect", "_limit", "_prefix", "_name")
+    __slots__ = ("_inspect", "_limit", "_prefix", "_cut", "_rest", "_name")
 
     def __init__(self, *, inspect: bool, limit: int) -> None:
         self._inspect = inspect  # parameter fields are checked (infer requests)
         self._limit = limit  # bytes of parameter fields kept for a full parse
-        self._prefix = b""  # the remembered leading fields
-        self._name = b""  # the model name they hold
+        self._prefix = b""  # the remembered leading fields, then the last field's tag and length
+        self._cut = 0  # where that last field starts in the prefix
+        self._rest = -1  # its value's length (-1: nothing remembered)
+        self._name = b""  # the model name the leading fields hold
 
     def walk(self, buf: bytes, pos: int, end: int) -> tuple[bytes, WalkResult | None]:
-        start, name, complete, details, tag, prefix = pos, b"", True, None, 0, self._prefix
-        if buf.startswith(prefix, pos, end):  # (b"", the state before any field, always does)
-            pos, name = pos + len(prefix), self._name
-        else:
-            prefix = b""
+        prefix = self._prefix
+        if not buf.startswith(prefix, pos, end):  # (b"", when nothing is remembered, always matches)
+            return self._walk(buf, pos, pos, end, b"")
+        if pos + len(prefix) + self._rest == end:  # the same fields, then a value as long as the last one's
+            return self._name, None
+        return self._walk(buf, pos, pos + self._cut, end, self._name)  # after the same leading fields
+
+    def _walk(self, buf: bytes, start: int, pos: int, end: int, name: bytes) -> tuple[bytes, WalkResult | None]:
+        """Walk the message ``buf[start:end]`` from ``pos`` on, the state at ``pos`` being ``name`` (complete, no
+        parameter field to look at)."""
+        complete, details, tag, value = True, None, 0, pos
         last = pos  # where the last field starts
         while pos < end:
             last, tag = pos, buf[pos]
@@ -216,7 +227,7 @@ class MessageWalker:
                 pos += 1
                 if length & 0x80:
                     length, pos = _varint_within(buf, pos - 1, end)
-                stop = pos + length
+                value, stop = pos, pos + length
                 if stop > end:
                     raise MalformedMessage(f"field {tag >> 3} runs past the end of its message")
                 if tag == _NAME_TAG:
@@ -231,8 +242,9 @@ class MessageWalker:
                 pos = _skip_scalar(buf, pos, end, tag)  # (never past the end: fields end inside the message)
         if details is not None or not complete:
             return name, _with_name(details or WalkResult(), name, complete)
-        if last - start > len(prefix) and tag != _NAME_TAG:  # the state after all but the last field is the final
-            self._prefix, self._name = buf[start:last], name
+        if tag & 7 == 2 and tag != _NAME_TAG and not (self._inspect and tag >> 3 in PARAMETER_FIELDS):
+            # The last field's value was not read: remember this message's shape.
+            self._prefix, self._cut, self._rest, self._name = buf[start:value], last - start, end - value, name
         return name, None
 
 
