@@ -8,18 +8,21 @@ ids, SETTINGS, PING and WINDOW_UPDATE keep their meaning and pass through as byt
 Client → Triton (:mod:`tritonshare.proxy.grpc_connection`): frames are parsed; each header block is
 HPACK-decoded in order by a decoder whose table mirrors the client's encoder (Triton's decoder sees the
 same bytes, so the two stay in step) to read ``:path``, which the policy table judges
-(:mod:`tritonshare.proxy.policy`):
+(:mod:`tritonshare.proxy.policy`, acted on by :mod:`tritonshare.proxy.grpc_verdicts`):
 
 - ALLOW / OWN: the stream is forwarded. For OWN, every request message is walked as it streams by
-  (:mod:`tritonshare.proxy.protobuf`); the frame that completes a message is forwarded only once the
-  message names the own model (field 1) and, for infer requests, no shared-memory parameter. A refused
-  message's last frame never reaches Triton: the stream is reset there (RST_STREAM CANCEL) and the client
-  gets the refusal status.
+  (:mod:`tritonshare.proxy.grpc_messages`, :mod:`tritonshare.proxy.protobuf`); the frame that completes a
+  message is forwarded only once the message names the own model (field 1) and, for infer requests, no
+  shared-memory parameter. A refused message's last frame never reaches Triton: the stream is reset there
+  (RST_STREAM CANCEL) and the client gets the refusal status. A connection remembers the shape of its last
+  clean message (leading fields, last field's header): a message of the same shape is judged with one
+  comparison, whatever its tensor contents.
 - READY: answered here from the own model's readiness; DENY / unknown: answered here with
-  PERMISSION_DENIED / UNIMPLEMENTED. Triton never sees these streams, so their later frames are dropped
-  (a stream frame for an idle stream is a connection error for Triton), client DATA is credited back
-  with a connection WINDOW_UPDATE, and the DATA bytes of local answers are subtracted from the client's
-  next connection WINDOW_UPDATEs to Triton (they were never Triton's to credit).
+  PERMISSION_DENIED / UNIMPLEMENTED (:mod:`tritonshare.proxy.grpc_answers`). Triton never sees these
+  streams, so their later frames are dropped (a stream frame for an idle stream is a connection error for
+  Triton), client DATA is credited back with a connection WINDOW_UPDATE, and the DATA bytes of local
+  answers are subtracted from the client's next connection WINDOW_UPDATEs to Triton (they were never
+  Triton's to credit).
 - A dropped header block that changed the client's table (incremental indexing, size update) would put
   Triton's table out of step: from then on the connection is in re-encode mode, where every forwarded
   block is decoded and re-encoded without indexing (:func:`encode_plain`). The same mode strips
