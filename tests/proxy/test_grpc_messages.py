@@ -39,7 +39,7 @@ def framed(message: bytes, *, compressed: bool = False) -> bytes:
 
 
 def infer(model: str = "own", **kwargs: object) -> pb.ModelInferRequest:
-    request = pb.ModelInferRequest(model_name=model, id="req-1", **kwargs)  # type: ignore[arg-type]
+    request = pb.ModelInferRequest(model_name=model, id="req-1", **kwargs)
     tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=[4])
     tensor.parameters["binary_data_size"].int64_param = 16
     request.outputs.add(name="OUTPUT0")
