@@ -55,7 +55,7 @@ class _Crc32:
 
 class _Crc32c:
     def __init__(self) -> None:
-        import google_crc32c  # C, with SSE4.2; a dependency of google-cloud-storage
+        import google_crc32c  # C, with SSE4.2 (a runtime dependency, pyproject.toml)
 
         self._extend: Callable[[int, bytes | memoryview], int] = google_crc32c.extend
         self._crc = 0
