@@ -15,12 +15,17 @@ from typing import Any
 import click
 
 from tritonshare import __version__
-from tritonshare.common.command import F, option, run_command
+from tritonshare.common.command import (
+    F,
+    leases_option,
+    option,
+    repository_option,
+    run_command,
+    staging_option,
+    termination_log_option,
+)
 from tritonshare.common.errors import ExitCode, TritonshareError
 from tritonshare.common.layout import (
-    DEFAULT_LEASES,
-    DEFAULT_REPOSITORY,
-    DEFAULT_STAGING,
     NodeLayout,
     check_model_name,
 )
@@ -41,18 +46,8 @@ def common_options(fn: F) -> F:
     for decorator in reversed(
         [
             option("--name", required=True, callback=_name, help="Model name: its folder in the repository."),
-            option(
-                "--repository",
-                type=click.Path(path_type=Path),
-                default=DEFAULT_REPOSITORY,
-                help="Triton's model repository (POLL mode) on the node.",
-            ),
-            option(
-                "--staging",
-                type=click.Path(path_type=Path),
-                default=DEFAULT_STAGING,
-                help="Staging folder: same filesystem as the repository, outside it.",
-            ),
+            repository_option,
+            staging_option,
             option("--triton-url", default="http://127.0.0.1:8000", help="Triton's HTTP endpoint."),
         ]
     ):
@@ -71,12 +66,7 @@ def lease_options(fn: F) -> F:
     """Who this pod is (the downward API) and where its lease on the model lives (common/lease.py)."""
     for decorator in reversed(
         [
-            option(
-                "--leases",
-                type=click.Path(path_type=Path),
-                default=DEFAULT_LEASES,
-                help="The node's lease folder (outside the repository): which pods use each model.",
-            ),
+            leases_option,
             option(
                 "--lease-ttl-s",
                 type=click.FloatRange(min=1),
@@ -155,12 +145,7 @@ def main(log_format: str, log_level: str) -> None:
     default=None,
     help="Triton's metrics page, read by the GPU memory check.  [default: Triton's host, port 8002]",
 )
-@option(
-    "--termination-log",
-    type=click.Path(path_type=Path),
-    default=Path("/dev/termination-log"),
-    help="Where the one-line failure reason goes (Kubernetes terminationMessagePath).",
-)
+@termination_log_option
 def load(
     source: str,
     name: str,
