@@ -13,6 +13,10 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.storage import GcsEmulator, HttpFileServer, MotoS3, RcloneS3
+from tests.support.triton import TritonServer
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.triton import TritonClient
+from tritonshare.loader.install import withdraw
 
 with warnings.catch_warnings():
     # google-api-core asks for grpcio-status, which only gRPC transports need; under filterwarnings=error
@@ -79,3 +83,12 @@ def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpFileSe
     server = HttpFileServer(tmp_path_factory.mktemp("http-root")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def cleanup(layout: NodeLayout, triton: TritonServer) -> Iterator[list[str]]:
+    """Names of models a test loads into the shared Triton: taken out after it (waiting out a load first)."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        withdraw(layout, name, TritonClient(triton.url), timeout_s=60)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +19,6 @@ from tests.support.storage import HttpFileServer, MotoS3, RcloneS3, make_tar
 from tests.support.triton import REPO_ROOT, TritonServer
 from tritonshare.common.errors import ExitCode
 from tritonshare.common.layout import NodeLayout
-from tritonshare.common.triton import TritonClient
-from tritonshare.loader.install import withdraw
 
 pytestmark = [pytest.mark.triton, pytest.mark.storage]
 
@@ -63,15 +60,6 @@ def infer_identity(triton: TritonServer, name: str) -> None:
         client.close()
 
 
-@pytest.fixture
-def loaded(layout: NodeLayout, triton: TritonServer) -> Iterator[list[str]]:
-    """Names to take out of the shared Triton after the test."""
-    names: list[str] = []
-    yield names
-    for name in names:
-        withdraw(layout, name, TritonClient(triton.url), timeout_s=60)
-
-
 def failed(outcome: Outcome, code: ExitCode, *fragments: str) -> None:
     assert outcome.code == code, outcome.log
     for fragment in fragments:
@@ -105,11 +93,11 @@ SOURCE_KINDS = {"s3": _from_s3, "gs": _from_gs, "http-archive": _from_http_archi
 @pytest.mark.parametrize("kind", list(SOURCE_KINDS))
 def test_the_same_model_loads_from_every_kind_of_source_and_answers(
     kind: str, request: pytest.FixtureRequest, layout: NodeLayout, triton: TritonServer, model_name: str,
-    tmp_path: Path, loaded: list[str],
+    tmp_path: Path, cleanup: list[str],
 ) -> None:  # fmt: skip
     source = SOURCE_KINDS[kind](request, write_model(tmp_path / "identity"))
     before = node_entries(layout)
-    loaded.append(model_name)
+    cleanup.append(model_name)
     outcome = load(layout, triton.url, source, model_name, tmp_path)
     assert outcome.code == ExitCode.OK, outcome.log
     assert outcome.message == ""
@@ -119,10 +107,10 @@ def test_the_same_model_loads_from_every_kind_of_source_and_answers(
 
 
 def test_a_restarted_loader_reuses_the_install(
-    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, loaded: list[str]
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
 ) -> None:
     source = str(write_model(tmp_path / "identity"))
-    loaded.append(model_name)
+    cleanup.append(model_name)
     assert load(layout, triton.url, source, model_name, tmp_path).code == ExitCode.OK
     again = load(layout, triton.url, source, model_name, tmp_path)
     assert again.code == ExitCode.OK, again.log
@@ -189,7 +177,7 @@ def test_a_model_triton_rejects_exits_12_with_tritons_reason(
 
 
 def test_a_field_the_schema_does_not_know_exits_10_or_with_lenient_checking_reaches_triton(
-    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, loaded: list[str]
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
 ) -> None:
     from tests.support.models import IDENTITY_CONFIG
 
@@ -205,7 +193,7 @@ def test_a_field_the_schema_does_not_know_exits_10_or_with_lenient_checking_reac
     assert "'model_future_option'" in lenient.log and "passed to Triton unchecked" in lenient.log
     failed(lenient, ExitCode.READINESS_TIMEOUT, f"{model_name} is not ready")
     assert "phase publish took" in lenient.log
-    loaded.append(model_name)  # removed after the test
+    cleanup.append(model_name)  # removed after the test
 
 
 def test_triton_down_exits_13(layout: NodeLayout, model_name: str, tmp_path: Path) -> None:
@@ -218,8 +206,8 @@ def test_triton_down_exits_13(layout: NodeLayout, model_name: str, tmp_path: Pat
 
 
 def test_a_tiny_deadline_exits_13(layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path,
-                                  loaded: list[str]) -> None:  # fmt: skip
-    loaded.append(model_name)
+                                  cleanup: list[str]) -> None:  # fmt: skip
+    cleanup.append(model_name)
     before = node_entries(layout)
     outcome = load(layout, triton.url, str(write_model(tmp_path / "identity")), model_name, tmp_path,
                    "--timeout-s", "0.05")  # fmt: skip
@@ -231,9 +219,9 @@ def test_a_tiny_deadline_exits_13(layout: NodeLayout, triton: TritonServer, mode
 
 
 def test_a_name_holding_another_model_exits_14_and_the_model_keeps_serving(
-    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, loaded: list[str]
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
 ) -> None:
-    loaded.append(model_name)
+    cleanup.append(model_name)
     first = str(write_model(tmp_path / "first"))
     assert load(layout, triton.url, first, model_name, tmp_path).code == ExitCode.OK
     before = node_entries(layout)

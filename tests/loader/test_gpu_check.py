@@ -22,10 +22,8 @@ from tests.support.ports import free_port
 from tests.support.triton import REPO_ROOT, TritonServer
 from tritonshare.common.errors import ExitCode, InsufficientSpace, TritonUnavailable
 from tritonshare.common.layout import NodeLayout
-from tritonshare.common.triton import TritonClient
 from tritonshare.common.triton_metrics_page import default_metrics_url
 from tritonshare.loader.gpu_check import metrics_url
-from tritonshare.loader.install import withdraw
 from tritonshare.loader.run import run
 from tritonshare.loader.settings import LoaderSettings
 
@@ -89,14 +87,6 @@ def metrics_page() -> Iterator[MetricsPage]:
     server = MetricsPage()
     yield server
     server.stop()
-
-
-@pytest.fixture
-def cleanup(layout: NodeLayout, triton: TritonServer) -> Iterator[list[str]]:
-    names: list[str] = []
-    yield names
-    for name in names:
-        withdraw(layout, name, TritonClient(triton.url), timeout_s=60)
 
 
 def test_a_model_that_fits_in_free_gpu_memory_is_loaded_and_served(

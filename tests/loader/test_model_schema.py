@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ from tritonshare.common.errors import ExitCode, InvalidModel
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.triton import TritonClient
 from tritonshare.loader import model_config_pb2
-from tritonshare.loader.install import withdraw
 from tritonshare.loader.model import check_config, with_name
 
 pytestmark = [pytest.mark.triton]
@@ -137,22 +135,13 @@ def readable(config: str) -> bool:
     return True
 
 
-@pytest.fixture
-def published(layout: NodeLayout, triton: TritonServer) -> Iterator[list[str]]:
-    """Names to take out of the shared Triton after the test."""
-    names: list[str] = []
-    yield names
-    for name in names:
-        withdraw(layout, name, TritonClient(triton.url), timeout_s=60)
-
-
 def test_triton_loads_exactly_the_configs_the_check_accepts(
-    layout: NodeLayout, triton: TritonServer, model_name: str, published: list[str]
+    layout: NodeLayout, triton: TritonServer, model_name: str, cleanup: list[str]
 ) -> None:
     assert all(readable(c) for c in READABLE.values()) and not any(readable(c) for c in UNREADABLE.values())
     for case, config in (READABLE | UNREADABLE).items():
         name = f"{model_name}-{case}"
-        published.append(name)
+        cleanup.append(name)
         publish(layout, name, with_name(config, name, "cfg") if case in READABLE else config)
     client = TritonClient(triton.url)
     deadline = time.monotonic() + 60

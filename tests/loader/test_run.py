@@ -8,7 +8,6 @@ import logging
 import os
 import tarfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +32,6 @@ from tritonshare.common.errors import (
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.repository import RECORD_FILE, read_record
 from tritonshare.common.triton import TritonClient
-from tritonshare.loader.install import withdraw
 from tritonshare.loader.run import record_uri, run
 from tritonshare.loader.settings import LoaderSettings
 
@@ -63,15 +61,6 @@ def infer_identity(triton: TritonServer, name: str) -> None:
         np.testing.assert_array_equal(client.infer(name, [tensor]).as_numpy("OUTPUT0"), data)
     finally:
         client.close()
-
-
-@pytest.fixture
-def cleanup(layout: NodeLayout, triton: TritonServer) -> Iterator[list[str]]:
-    """Names to take out of the shared Triton after the test (waiting out a load first)."""
-    names: list[str] = []
-    yield names
-    for name in names:
-        withdraw(layout, name, TritonClient(triton.url), timeout_s=60)
 
 
 def expect_failure(

@@ -11,7 +11,7 @@ import os
 import stat
 import tarfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +25,6 @@ from tritonshare.common.errors import ExitCode, InsufficientSpace
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.repository import RECORD_FILE, read_record
 from tritonshare.common.triton import TritonClient
-from tritonshare.loader.install import withdraw
 from tritonshare.loader.run import run
 from tritonshare.loader.settings import LoaderSettings
 
@@ -37,15 +36,6 @@ WEIGHTS_BYTES = 16 << 20  # random: the .tar.gz is as large as the model
 def settings(layout: NodeLayout, triton: TritonServer, source: str, name: str, **kw: object) -> LoaderSettings:
     base: dict[str, object] = {"timeout_s": 60.0, "poll_interval_s": 0.1, "termination_log": None}
     return LoaderSettings(source=source, name=name, layout=layout, triton_url=triton.url, **{**base, **kw})  # type: ignore[arg-type]
-
-
-@pytest.fixture
-def cleanup(layout: NodeLayout, triton: TritonServer) -> Iterator[list[str]]:
-    """Names to take out of the shared Triton after the test (waiting out a load first)."""
-    names: list[str] = []
-    yield names
-    for name in names:
-        withdraw(layout, name, TritonClient(triton.url), timeout_s=60)
 
 
 @pytest.fixture
