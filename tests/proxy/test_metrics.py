@@ -94,7 +94,7 @@ def test_route_meters_share_the_protocol_gauge_and_tell_a_drain_when_the_last_re
     idle: list[int] = []
     metrics.flight.on_idle = lambda: idle.append(metrics.flight.value)
 
-    started = [infer.begin(), infer.begin(), metrics.begin("grpc")]
+    started = [infer.begin(), infer.begin(), metrics.meter("grpc", "ModelInfer").begin()]
     assert metrics.inflight_gauge("rest").value == 2 and metrics.flight.value == 3
     infer.end("200", started[0])
     ready.end("499", started[1])  # the same protocol's gauge, whichever route names the end

@@ -75,8 +75,7 @@ class Flight:
 class RouteMeter:
     """The numbers of one (protocol, route): requests by status code, their latency, and the in-flight counts
     it shares (its protocol's gauge, the proxy's :class:`Flight`). Per request: :meth:`begin` when the request
-    is forwarded, :meth:`end` when its response is complete — or only :meth:`end` with ``started`` from
-    elsewhere (another meter's :meth:`begin` of the same protocol, or :meth:`ProxyMetrics.begin`)."""
+    is forwarded, :meth:`end` when its response is complete or it failed."""
 
     __slots__ = ("gauge", "flight", "latency", "codes")
 
@@ -133,12 +132,6 @@ class ProxyMetrics(Collector):
         if meter is None:
             meter = self._meters[protocol, route] = RouteMeter(self.inflight_gauge(protocol), self.flight)
         return meter
-
-    def begin(self, protocol: str) -> float:
-        """A request of ``protocol`` was forwarded, its route to be named at the end (see :class:`RouteMeter`)."""
-        self.inflight_gauge(protocol).value += 1
-        self.flight.value += 1
-        return perf_counter()
 
     def observe(self, protocol: str, route: str, code: str, seconds: float) -> None:
         self.meter(protocol, route).record(code, seconds)

@@ -2,9 +2,11 @@
 accounting of requests in flight (for metrics and for draining on SIGTERM), and the optional fairness and
 access controls (issue 9): :attr:`ProxyState.admission`, :attr:`ProxyState.auth`, :attr:`ProxyState.tls`.
 
-Front ends call :meth:`ProxyState.begin` when a request is forwarded and :meth:`ProxyState.end` when its
-response is complete (or it failed); refusals the proxy answers itself go through :meth:`ProxyState.refuse`,
-and other answers it gives itself (readiness) through :meth:`ProxyState.answered`.
+Front ends account a forwarded request on its route's meter (``state.metrics.meter(protocol, route)``:
+:meth:`~tritonshare.proxy.metrics.RouteMeter.begin` when it is forwarded,
+:meth:`~tritonshare.proxy.metrics.RouteMeter.end` when its response is complete or it failed), which also
+counts it in flight for the drain; refusals the proxy answers itself go through :meth:`ProxyState.refuse`, and
+other answers it gives itself (readiness) through :meth:`ProxyState.answered`.
 
 Build it inside the running event loop (admission control schedules on it). The access-control files are
 read here, so a bad ``--auth-token-file`` or ``--tls-cert`` stops the proxy before it listens.
@@ -71,15 +73,6 @@ class ProxyState:
     @property
     def inflight(self) -> int:
         return self._flight.value
-
-    def begin(self, protocol: str) -> float:
-        """A request was forwarded to Triton; returns its start time for :meth:`end`. (A front end that knows
-        the route when it forwards may use the route's :meth:`~tritonshare.proxy.metrics.ProxyMetrics.meter`
-        instead: the same accounting without a label lookup.)"""
-        return self.metrics.begin(protocol)
-
-    def end(self, protocol: str, route: str, code: str, started: float) -> None:
-        self.metrics.meter(protocol, route).end(code, started)
 
     def refuse(self, protocol: str, route: str, code: str, reason: str) -> None:
         """A request the proxy answered itself without reaching Triton."""
