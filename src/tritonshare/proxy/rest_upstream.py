@@ -70,7 +70,8 @@ class Upstream(asyncio.Protocol):
         self.queued: list[bytes | memoryview] = []  # written while connecting
         self.reader: ResponseReader | None = None  # the response, unless it came whole in one read
         self.expecting = False  # a request went out and its response is not complete
-        # The last response that came whole in one read: its size, its head's size and bytes, the parsed head.
+        # The last response that came whole in one read: its size, its head's bytes (blank line included), the
+        # parsed head.
         # A response of the same bytes' shape (same head, so same length) is recognised by one comparison.
         self.whole_size = -1
         self.whole_head = b""
