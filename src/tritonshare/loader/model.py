@@ -148,21 +148,25 @@ def check_schema(config: ConfigText, *, lenient: bool = False) -> None:
         text_format.Parse(config.text, model_config_pb2.ModelConfig())
         return
     except text_format.ParseError as exc:
-        line, reason = exc.GetLine(), _protobuf_reason(str(exc), config.line(exc.GetLine() or 0))
-        explained = _explain(reason, model_config_pb2.POOL)
+        line, (reason, explained) = exc.GetLine(), _reasons(config, exc, model_config_pb2.POOL)
         if not (lenient and _UNKNOWN_FIELD.fullmatch(reason)):
             raise config.error(line, exc.GetColumn(), explained) from exc
     try:
         text_format.Parse(config.text, model_config_pb2.ModelConfig(), allow_unknown_field=True)
     except text_format.ParseError as exc:
-        reason = _protobuf_reason(str(exc), config.line(exc.GetLine() or 0))
-        raise config.error(exc.GetLine(), exc.GetColumn(), _explain(reason, model_config_pb2.POOL)) from exc
+        raise config.error(exc.GetLine(), exc.GetColumn(), _reasons(config, exc, model_config_pb2.POOL)[1]) from exc
     logger.warning(
         "%s, line %s: %s — passed to Triton unchecked (--config-check lenient), as is any later unknown field",
         config.where,
         line,
         explained,
     )
+
+
+def _reasons(config: ConfigText, exc: Any, pool: Any) -> tuple[str, str]:
+    """protobuf's reason for refusing ``config`` (``exc``, a ParseError), and that reason explained."""
+    reason = _protobuf_reason(str(exc), config.line(exc.GetLine() or 0))
+    return reason, _explain(reason, pool)
 
 
 def _protobuf_reason(message: str, line_text: str) -> str:
