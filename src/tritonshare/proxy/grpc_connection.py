@@ -1,9 +1,9 @@
 """One relayed gRPC client connection: its frames judged on the way to its own Triton connection.
 
-See :mod:`tritonshare.proxy.grpc` for the design. This side parses every client frame, decodes header
-blocks in order (:class:`HeaderDecoder`, in step with Triton's decoder), judges each new stream's
-``:path`` and each request message, and forwards whole frames — as they came whenever possible, so a read
-usually leaves in one write without a copy.
+See :mod:`tritonshare.proxy.grpc` for the design. This side parses every client frame, judges each request
+message of a stream it forwarded, and forwards whole frames — as they came whenever possible, so a read
+usually leaves in one write without a copy. Its header blocks (a new stream's ``:path`` judged, the stream
+opened) are read by :mod:`tritonshare.proxy.grpc_headers`.
 """
 
 from __future__ import annotations
@@ -14,19 +14,13 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol, cast
 
 from tritonshare.proxy import grpc_replies, http2
-from tritonshare.proxy.admission import LIMITED_ROUTES
 from tritonshare.proxy.grpc_admission import StreamGate
 from tritonshare.proxy.grpc_answers import LocalAnswers
-from tritonshare.proxy.grpc_messages import MessageInspector, MessageJudge, Refusal
+from tritonshare.proxy.grpc_headers import ClientHeaders
+from tritonshare.proxy.grpc_messages import MessageInspector, Refusal
 from tritonshare.proxy.grpc_streams import PROTOCOL, Stream, StreamTable
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
-from tritonshare.proxy.grpc_verdicts import NewStreams
-from tritonshare.proxy.hpack_codec import HeaderBlock, HeaderDecoder, HpackError, encode_plain
-from tritonshare.proxy.policy import (
-    GrpcRule,
-    Verdict,
-)
-from tritonshare.proxy.protobuf import MessageWalker
+from tritonshare.proxy.hpack_codec import HpackError
 from tritonshare.proxy.state import ProxyState
 
 logger = logging.getLogger(__name__)
@@ -43,7 +37,6 @@ OpenUpstream = Callable[[Callable[[], UpstreamConnection]], Awaitable[UpstreamCo
 FrameHandler = Callable[[bytes, int, int, int, int], bytes | None]
 # Frame constants read for every frame, as module globals (an attribute lookup each is measurable).
 _HEADER_SIZE, _STREAM_ID_MASK = http2.HEADER_SIZE, http2.STREAM_ID_MASK
-_BARE_MASK = http2.END_HEADERS | http2.PADDED | http2.PRIORITY_FLAG  # equal to END_HEADERS: a plain HEADERS
 
 
 class Host(Protocol):
@@ -61,30 +54,16 @@ class ClientConnection(asyncio.Protocol):
     def __init__(self, host: Host, state: ProxyState) -> None:
         self._host = host
         self._state = state
-        self._own = state.own_bytes
-        self._limit = state.settings.max_json_bytes
-        # Whole request messages are walked by these (remembering their leading fields), without / with the
-        # parameter check.
-        self._walkers = (
-            MessageWalker(inspect=False, limit=self._limit),
-            MessageWalker(inspect=True, limit=self._limit),
-        )
-        self._judges: dict[str, MessageJudge] = {}  # by route
-        self._strip = frozenset(name.lower().encode() for name in state.settings.strip_headers)
-        self._reencode = bool(self._strip)  # forward re-encoded header blocks instead of the client's bytes
         self.transport: asyncio.Transport | None = None
         self._upstream: UpstreamConnection | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._pending: list[bytes] | None = []  # client bytes received while Triton's connection opens
         self._pending_size = 0
         self._unavailable = False  # Triton could not be reached: answer every stream UNAVAILABLE
-        self._decoder = HeaderDecoder()
-        self._known = self._decoder.known  # header blocks known by their bytes: a hit saves the decode call
         self._partial: list[bytes | memoryview] = []  # pieces of a frame not yet complete
         self._partial_size = 0
         self._partial_need = 0  # that frame's full size (0: its 9-byte header is not complete yet)
         self._preface_left = len(http2.PREFACE)
-        self._block: list[bytes] = []  # HEADERS + CONTINUATION frames of a header block in progress
         self._streams = StreamTable(state, self._credit)
         self._active = self._streams.active  # read for every DATA frame
         self._answers = LocalAnswers(state, self._streams, self._to_client, self._close_if_drained)
@@ -97,18 +76,12 @@ class ClientConnection(asyncio.Protocol):
                 to_upstream=self._to_upstream,
                 refuse=self._answers.refuse_forwarded,
             )
-        self._auth = state.auth
         self.reset_streams = self._streams.reset  # read by the Triton side for every frame
         self._goaway_last: int | None = None
-        self._new_streams = NewStreams(state, self._streams, self._answers, self._to_client)
-        # The last new stream's header block and its rule when it was forwarded with nothing else to check (no
-        # token to check, Triton reachable, no GOAWAY sent): a client repeats the same block for every call of
-        # a method (the same object while the decoder's table is unchanged), which opens the next stream the
-        # same way, without a judgment.
-        self._forwarded: tuple[HeaderBlock, GrpcRule] | None = None
+        self._headers = ClientHeaders(self, state, self._streams, self._answers, self._gate, self._to_client)
         self._frame_handlers: tuple[FrameHandler, ...] = (
             self._on_data,
-            self._on_headers,
+            self._headers.on_headers,
             _as_is,
             self._on_rst_stream,
             self._on_settings,
@@ -116,11 +89,11 @@ class ClientConnection(asyncio.Protocol):
             self._on_ping,
             _as_is,
             self._on_window_update,
-            self._on_continuation,
+            self._headers.on_continuation,
         ) + (_as_is,) * 246  # extension frames (types 10-255) pass on: receivers ignore unknown types
         # Inside a header block only its CONTINUATION frames may come (RFC 7540 §6.10).
         self._block_handlers: tuple[FrameHandler, ...] = (
-            (_interrupted,) * http2.CONTINUATION + (self._on_continuation,) + (_interrupted,) * 246
+            (_interrupted,) * http2.CONTINUATION + (self._headers.on_continuation,) + (_interrupted,) * 246
         )
         self._handlers: tuple[FrameHandler, ...] = (
             self._frame_handlers
@@ -203,7 +176,7 @@ class ClientConnection(asyncio.Protocol):
         """GOAWAY: the client opens no new stream here; streams it already opened go on."""
         if self._goaway_last is not None:
             return
-        self._forwarded = None
+        self._headers.forget_forwarded()
         self._goaway_last = self._streams.client_max
         self._to_client(http2.goaway(self._goaway_last))
         self._close_if_drained()
@@ -217,6 +190,14 @@ class ClientConnection(asyncio.Protocol):
     @property
     def goaway_last(self) -> int | None:
         return self._goaway_last
+
+    @property
+    def unavailable(self) -> bool:
+        return self._unavailable
+
+    def expect_continuation(self, expected: bool) -> None:
+        """A header block is open (True): until it ends only its CONTINUATION frames may come (RFC 7540 §6.10)."""
+        self._handlers = self._block_handlers if expected else self._frame_handlers
 
     def _close_if_drained(self) -> None:
         drained = self._goaway_last is not None and not self._streams.active and not self._answers.tasks
@@ -444,97 +425,13 @@ class ClientConnection(asyncio.Protocol):
         answers.window_debt -= paid
         return http2.window_update(0, increment - paid)
 
-    def _on_headers(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-        if flags & _BARE_MASK == http2.END_HEADERS:  # the common case: a whole block, no padding or priority
-            fragment = data[pos + _HEADER_SIZE : stop]
-            block = self._known.get(fragment) or self._decoder.decode(fragment)
-            forwarded = self._forwarded
-            if forwarded is not None and forwarded[0] is block and stream_id > self._streams.client_max:
-                self._streams.client_max = stream_id  # a new stream opened as the last one was: forwarded
-                self._forward(stream_id, forwarded[1], block)
-                return self._plain_frames(stream_id, flags, block) if self._reencode else None
-            return self._on_header_block(stream_id, flags, block)
-        if not flags & http2.END_HEADERS:  # a header block in several frames: its CONTINUATIONs come next
-            self._block.append(data[pos:stop])
-            self._handlers = self._block_handlers
-            return b""
-        fragment = bytes(http2.header_block_fragment(flags, memoryview(data)[pos + _HEADER_SIZE : stop]))
-        return self._on_header_block(stream_id, flags, self._decoder.decode(fragment))
-
-    def _on_continuation(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-        if not self._block or http2.parse_header(self._block[0], 0)[3] != stream_id:
-            raise http2.FrameError("CONTINUATION frame without a HEADERS frame of its stream before it")
-        self._block.append(data[pos:stop])
-        if sum(map(len, self._block)) > self._state.settings.max_header_bytes:
-            raise http2.FrameError(f"header block larger than {self._state.settings.max_header_bytes} bytes")
-        if not flags & http2.END_HEADERS:
-            return b""
-        frames, self._block = self._block, []
-        self._handlers = self._frame_handlers
-        first_flags = http2.parse_header(frames[0], 0)[2]
-        fragments = [http2.header_block_fragment(first_flags, memoryview(frames[0])[http2.HEADER_SIZE :])]
-        fragments += [memoryview(f)[http2.HEADER_SIZE :] for f in frames[1:]]
-        result = self._on_header_block(stream_id, first_flags, self._decoder.decode(b"".join(fragments)))
-        return b"".join(frames) if result is None else result
-
-    def _on_header_block(self, stream_id: int, flags: int, block: HeaderBlock) -> bytes | None:
-        """A complete header block, decoded: judge a new stream, then forward it as is (None), re-encoded
-        (bytes) or not at all (b"")."""
-        if stream_id > self._streams.client_max:
-            self._streams.client_max = stream_id
-            if not self._open_stream(stream_id, block):
-                self._reencode = self._reencode or block.changes_table
-                return b""
-        else:  # only trailers of a stream in flight go on
-            stream = self._streams.active.get(stream_id)
-            if stream is None:
-                self._reencode = self._reencode or block.changes_table
-                return b""
-            if stream.held is not None:  # behind its held frames; index-free, as it reaches Triton later
-                if any(frame[3] == http2.HEADERS for frame in stream.held):  # bounds what a stream holds
-                    raise http2.FrameError(f"stream {stream_id} sent a header block after its trailers")
-                self._reencode = self._reencode or block.changes_table
-                stream.held.append(self._plain_frames(stream_id, flags, block))
-                return b""
-        if not self._reencode:
-            return None
-        return self._plain_frames(stream_id, flags, block)
-
-    def _plain_frames(self, stream_id: int, flags: int, block: HeaderBlock) -> bytes:
-        """The block re-encoded without the dynamic table (and without stripped headers)."""
-        headers = [h for h in block.headers if h[0] not in self._strip]
-        return http2.header_frames(stream_id, encode_plain(headers), end_stream=bool(flags & http2.END_STREAM))
-
-    def _open_stream(self, stream_id: int, block: HeaderBlock) -> bool:
-        """A client opened a stream: forward it (True) or answer it here (False)."""
-        rule = self._new_streams.judge(stream_id, block, unavailable=self._unavailable, goaway_last=self._goaway_last)
-        if rule is None:
-            return False
-        self._forwarded = None if self._auth is not None else (block, rule)  # (tokens: checked for every stream)
-        self._forward(stream_id, rule, block)
-        return True
-
-    def _forward(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> None:
-        judge = None
-        if rule.verdict is Verdict.OWN:
-            judge = self._judges.get(rule.route) or self._new_judge(rule)
-        stream = self._streams.forward(stream_id, rule, judge, block.encoding)
-        if self._gate is not None and rule.route in LIMITED_ROUTES:
-            if judge is not None:  # the gate counts the stream's messages: an inspector from the start
-                stream.inspector = MessageInspector(judge, encoding=block.encoding)
-            self._gate.admit(stream_id, stream)
-
-    def _new_judge(self, rule: GrpcRule) -> MessageJudge:
-        walker = self._walkers[rule.inspect]
-        judge = self._judges[rule.route] = MessageJudge(rule, self._own, limit=self._limit, walker=walker)
-        return judge
-
     # ---------------------------------------------------------------------------------- Triton down
 
     def _become_unavailable(self) -> None:
         """Triton cannot be reached: be a minimal HTTP/2 server that answers every stream UNAVAILABLE,
         then GOAWAY (see :meth:`_relay`); a client that opens no stream is let go after a while."""
-        self._unavailable, self._forwarded = True, None
+        self._unavailable = True
+        self._headers.forget_forwarded()
         self._to_client(http2.settings())
         if self.transport is not None:
             transport = self.transport

@@ -1,0 +1,178 @@
+"""The client's header blocks on one relayed gRPC connection: each assembled, decoded and acted on.
+
+A header block comes in one HEADERS frame, or in a HEADERS frame and its CONTINUATION frames with no other
+frame in between (RFC 7540 §6.10). Every block is HPACK-decoded in order (:class:`HeaderDecoder`: its table
+mirrors the client's encoder, as Triton's does). A block that opens a stream is judged
+(:mod:`tritonshare.proxy.grpc_verdicts`) and then forwarded — with a message judge for an OWN route
+(:mod:`tritonshare.proxy.grpc_messages`) and an admission slot for an inference route
+(:mod:`tritonshare.proxy.grpc_admission`) — or answered here; a later block of a stream in flight (its
+trailers) goes on. A block dropped after it changed the client's table would put Triton's table out of step:
+from then on every forwarded block is re-encoded without indexing (as it is when headers are stripped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from tritonshare.proxy import http2
+from tritonshare.proxy.admission import LIMITED_ROUTES
+from tritonshare.proxy.grpc_admission import StreamGate
+from tritonshare.proxy.grpc_answers import LocalAnswers
+from tritonshare.proxy.grpc_messages import MessageInspector, MessageJudge
+from tritonshare.proxy.grpc_streams import StreamTable
+from tritonshare.proxy.grpc_verdicts import NewStreams
+from tritonshare.proxy.hpack_codec import HeaderBlock, HeaderDecoder, encode_plain
+from tritonshare.proxy.policy import GrpcRule, Verdict
+from tritonshare.proxy.protobuf import MessageWalker
+from tritonshare.proxy.state import ProxyState
+
+# Frame constants read for every HEADERS frame, as module globals (an attribute lookup each is measurable).
+_HEADER_SIZE = http2.HEADER_SIZE
+_BARE_MASK = http2.END_HEADERS | http2.PADDED | http2.PRIORITY_FLAG  # equal to END_HEADERS: a plain HEADERS
+
+
+class Relay(Protocol):
+    """What the header side needs of the connection whose client frames it reads."""
+
+    @property
+    def unavailable(self) -> bool: ...  # Triton cannot be reached: every new stream is answered here
+
+    @property
+    def goaway_last(self) -> int | None: ...  # last stream id of the proxy's own GOAWAY, if sent
+
+    def expect_continuation(self, expected: bool) -> None: ...  # True while a header block is open
+
+
+class ClientHeaders:
+    """The client's header blocks of one connection: new streams judged and opened, trailers passed on.
+
+    :meth:`on_headers` and :meth:`on_continuation` are the connection's handlers of those frames: they
+    return None to forward the frame as it is, b"" to drop it, or bytes to send instead.
+    """
+
+    def __init__(
+        self,
+        relay: Relay,
+        state: ProxyState,
+        streams: StreamTable,
+        answers: LocalAnswers,
+        gate: StreamGate | None,
+        to_client: Callable[[bytes], None],
+    ) -> None:
+        """``gate``: admission control, when on; ``to_client``: writes the proxy's frames between Triton's."""
+        self._relay = relay
+        self._streams = streams
+        self._gate = gate
+        self._auth = state.auth
+        self._max_bytes = state.settings.max_header_bytes
+        self._own = state.own_bytes
+        self._limit = state.settings.max_json_bytes
+        # Whole request messages are walked by these (remembering their leading fields), without / with the
+        # parameter check.
+        self._walkers = (
+            MessageWalker(inspect=False, limit=self._limit),
+            MessageWalker(inspect=True, limit=self._limit),
+        )
+        self._judges: dict[str, MessageJudge] = {}  # by route
+        self._strip = frozenset(name.lower().encode() for name in state.settings.strip_headers)
+        self._reencode = bool(self._strip)  # forward re-encoded header blocks instead of the client's bytes
+        self._decoder = HeaderDecoder()
+        self._known = self._decoder.known  # header blocks known by their bytes: a hit saves the decode call
+        self._block: list[bytes] = []  # HEADERS + CONTINUATION frames of a header block in progress
+        self._new_streams = NewStreams(state, streams, answers, to_client)
+        # The last new stream's header block and its rule when it was forwarded with nothing else to check (no
+        # token to check, Triton reachable, no GOAWAY sent): a client repeats the same block for every call of
+        # a method (the same object while the decoder's table is unchanged), which opens the next stream the
+        # same way, without a judgment.
+        self._forwarded: tuple[HeaderBlock, GrpcRule] | None = None
+
+    def forget_forwarded(self) -> None:
+        """Judge every new stream from now on: the connection drains, or Triton cannot be reached."""
+        self._forwarded = None
+
+    def on_headers(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
+        if flags & _BARE_MASK == http2.END_HEADERS:  # the common case: a whole block, no padding or priority
+            fragment = data[pos + _HEADER_SIZE : stop]
+            block = self._known.get(fragment) or self._decoder.decode(fragment)
+            forwarded = self._forwarded
+            if forwarded is not None and forwarded[0] is block and stream_id > self._streams.client_max:
+                self._streams.client_max = stream_id  # a new stream opened as the last one was: forwarded
+                self._forward(stream_id, forwarded[1], block)
+                return self._plain_frames(stream_id, flags, block) if self._reencode else None
+            return self._on_header_block(stream_id, flags, block)
+        if not flags & http2.END_HEADERS:  # a header block in several frames: its CONTINUATIONs come next
+            self._block.append(data[pos:stop])
+            self._relay.expect_continuation(True)
+            return b""
+        fragment = bytes(http2.header_block_fragment(flags, memoryview(data)[pos + _HEADER_SIZE : stop]))
+        return self._on_header_block(stream_id, flags, self._decoder.decode(fragment))
+
+    def on_continuation(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
+        if not self._block or http2.parse_header(self._block[0], 0)[3] != stream_id:
+            raise http2.FrameError("CONTINUATION frame without a HEADERS frame of its stream before it")
+        self._block.append(data[pos:stop])
+        if sum(map(len, self._block)) > self._max_bytes:
+            raise http2.FrameError(f"header block larger than {self._max_bytes} bytes")
+        if not flags & http2.END_HEADERS:
+            return b""
+        frames, self._block = self._block, []
+        self._relay.expect_continuation(False)
+        first_flags = http2.parse_header(frames[0], 0)[2]
+        fragments = [http2.header_block_fragment(first_flags, memoryview(frames[0])[_HEADER_SIZE:])]
+        fragments += [memoryview(f)[_HEADER_SIZE:] for f in frames[1:]]
+        result = self._on_header_block(stream_id, first_flags, self._decoder.decode(b"".join(fragments)))
+        return b"".join(frames) if result is None else result
+
+    def _on_header_block(self, stream_id: int, flags: int, block: HeaderBlock) -> bytes | None:
+        """A complete header block, decoded: judge a new stream, then forward it as is (None), re-encoded
+        (bytes) or not at all (b"")."""
+        if stream_id > self._streams.client_max:
+            self._streams.client_max = stream_id
+            if not self._open_stream(stream_id, block):
+                self._reencode = self._reencode or block.changes_table
+                return b""
+        else:  # only trailers of a stream in flight go on
+            stream = self._streams.active.get(stream_id)
+            if stream is None:
+                self._reencode = self._reencode or block.changes_table
+                return b""
+            if stream.held is not None:  # behind its held frames; index-free, as it reaches Triton later
+                if any(frame[3] == http2.HEADERS for frame in stream.held):  # bounds what a stream holds
+                    raise http2.FrameError(f"stream {stream_id} sent a header block after its trailers")
+                self._reencode = self._reencode or block.changes_table
+                stream.held.append(self._plain_frames(stream_id, flags, block))
+                return b""
+        if not self._reencode:
+            return None
+        return self._plain_frames(stream_id, flags, block)
+
+    def _plain_frames(self, stream_id: int, flags: int, block: HeaderBlock) -> bytes:
+        """The block re-encoded without the dynamic table (and without stripped headers)."""
+        headers = [h for h in block.headers if h[0] not in self._strip]
+        return http2.header_frames(stream_id, encode_plain(headers), end_stream=bool(flags & http2.END_STREAM))
+
+    def _open_stream(self, stream_id: int, block: HeaderBlock) -> bool:
+        """A client opened a stream: forward it (True) or answer it here (False)."""
+        relay = self._relay
+        rule = self._new_streams.judge(stream_id, block, unavailable=relay.unavailable, goaway_last=relay.goaway_last)
+        if rule is None:
+            return False
+        self._forwarded = None if self._auth is not None else (block, rule)  # (tokens: checked for every stream)
+        self._forward(stream_id, rule, block)
+        return True
+
+    def _forward(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> None:
+        judge = None
+        if rule.verdict is Verdict.OWN:
+            judge = self._judges.get(rule.route) or self._new_judge(rule)
+        stream = self._streams.forward(stream_id, rule, judge, block.encoding)
+        if self._gate is not None and rule.route in LIMITED_ROUTES:
+            if judge is not None:  # the gate counts the stream's messages: an inspector from the start
+                stream.inspector = MessageInspector(judge, encoding=block.encoding)
+            self._gate.admit(stream_id, stream)
+
+    def _new_judge(self, rule: GrpcRule) -> MessageJudge:
+        walker = self._walkers[rule.inspect]
+        judge = self._judges[rule.route] = MessageJudge(rule, self._own, limit=self._limit, walker=walker)
+        return judge
