@@ -261,6 +261,7 @@ def test_options_come_from_the_loader_settings() -> None:
         ("sha256", "15e2b0d3c33891ebb0f1ef609ec419420c20e320ce94c65fbc8c3312448eb225"),
         ("crc32c", "4waSgw=="),  # 0xE3069283, the CRC-32C check value
         ("crc32", "y/Q5Jg=="),  # 0xCBF43926, the CRC-32 check value
+        ("crc64nvme", "rosUhgp5mIg="),  # 0xAE8B14860A799888, the CRC-64/NVME check value
     ],
 )
 def test_digests_match_the_reference_check_values(tmp_path: Path, algorithm: str, expected: str) -> None:
@@ -301,6 +302,7 @@ class StreamedSource:
         self.cuts = dict(cuts or {})
         self.corrupt: set[int] = set()
         self.stated: Checksum | None = None  # what a whole-object response states (S3's flexible checksum)
+        self.asked: Checksum | Exception | None = None  # what whole_checksum answers (S3: a HEAD), or raises
         self.requests: list[Part | None] = []
         self.lock = threading.Lock()
 
@@ -325,6 +327,11 @@ class StreamedSource:
 
     def ranged(self, obj: RemoteObject) -> bool:
         return True
+
+    def whole_checksum(self, obj: RemoteObject, stall_timeout_s: float) -> Checksum | None:
+        if isinstance(self.asked, Exception):
+            raise self.asked
+        return self.asked
 
     def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
         raise AssertionError("the engine reads stream sources itself")
@@ -375,6 +382,32 @@ def test_a_checksum_the_response_states_is_preferred_when_cheaper(tmp_path: Path
     assert (tmp_path / "big.bin").read_bytes() == BIG[:5000]
 
 
+def test_parts_are_verified_by_the_cheaper_checksum_the_store_states_when_asked(tmp_path: Path) -> None:
+    source = StreamedSource(BIG)
+    source.asked = checksum_of_bytes(BIG, "crc64nvme")  # like S3's HEAD with x-amz-checksum-mode
+    stale_md5 = Checksum(algorithm="md5", value="0" * 32)  # never computed: CRC64NVME is far cheaper
+    download_all(source, [source.object(stale_md5)], tmp_path, PARTED)
+    assert (tmp_path / "big.bin").read_bytes() == BIG and None not in source.requests  # parts only
+
+
+def test_parts_whose_stated_checksum_disagrees_fail_then_come_whole(tmp_path: Path) -> None:
+    source = StreamedSource(BIG)
+    source.asked = Checksum(algorithm="crc64nvme", value="AAAAAAAAAAA=")
+    source.stated = checksum_of_bytes(BIG, "crc32c")  # the whole answer states the right one
+    download_all(source, [source.object()], tmp_path, PARTED)
+    assert (tmp_path / "big.bin").read_bytes() == BIG and source.requests[-1] is None
+
+
+def test_asking_for_the_checksum_may_fail_then_the_listed_one_is_verified(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = StreamedSource(BIG)
+    source.asked = TransientSourceError("s3://models/m/big.bin: the store did not answer in time")
+    with pytest.raises(TransientSourceError, match=r"m/big.bin: md5 checksum mismatch"):
+        download_all(source, [source.object(Checksum(algorithm="md5", value="0" * 32))], tmp_path, PARTED)
+    assert "verifying m/big.bin by its listed checksum" in caplog.text
+
+
 def checksum_of_bytes(data: bytes, algorithm: str) -> Checksum:
     hasher = hasher_for(algorithm)
     hasher.update(data)
@@ -384,7 +417,9 @@ def checksum_of_bytes(data: bytes, algorithm: str) -> Checksum:
 def test_the_cheapest_known_checksum_wins() -> None:
     md5, crc = Checksum(algorithm="md5", value="a"), Checksum(algorithm="crc32c", value="b")
     assert cheapest(md5, None, crc) is crc and cheapest(md5) is md5
-    assert cheapest(Checksum(algorithm="crc64nvme", value="c")) is None and cheapest() is None
+    assert cheapest(Checksum(algorithm="blake3", value="c")) is None and cheapest() is None
+    crc64 = Checksum(algorithm="crc64nvme", value="d")
+    assert cheapest(md5, crc, crc64) is crc64
 
 
 def test_part_size_grows_with_the_object_to_bound_the_number_of_requests() -> None:

@@ -58,6 +58,29 @@ def test_a_byte_flipped_in_a_middle_part_fails_the_crc32c(gcs_server: GcsEmulato
     assert hashers_running() == []
 
 
+def test_a_byte_flipped_in_a_middle_part_fails_the_crc64nvme_s3_states_when_asked(
+    s3_server: MotoS3, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    s3_server.put("models", "m/big.bin", DATA, checksum_algorithm="CRC64NVME")
+    s3_server.tamper("models", "m/big.bin", flipped(DATA, 6 * PART + 5))
+    with pytest.raises(TransientSourceError, match=r"m/big.bin: crc64nvme checksum mismatch"):  # not the MD5
+        download("s3://models/m", tmp_path)
+    parts_failed = [r.getMessage() for r in caplog.records if "fetching it again in one piece" in r.getMessage()]
+    assert parts_failed and "crc64nvme checksum mismatch" in parts_failed[0]  # the parts, before the whole
+    assert hashers_running() == []
+
+
+def test_a_multipart_upload_is_verified_by_its_full_object_crc64nvme(s3_server: MotoS3, tmp_path: Path) -> None:
+    data = os.urandom(6 << 20)  # two upload parts of at least 5 MiB, as S3 requires; 24 download parts
+    s3_server.put_multipart("models", "m/big.bin", data)
+    (tmp_path / "good").mkdir()
+    download("s3://models/m", tmp_path / "good")
+    assert (tmp_path / "good" / "big.bin").read_bytes() == data
+    s3_server.tamper("models", "m/big.bin", flipped(data, 3 * PART + 9))  # its ETag is no MD5: only the CRC tells
+    with pytest.raises(TransientSourceError, match=r"m/big.bin: crc64nvme checksum mismatch"):
+        download("s3://models/m", tmp_path)
+
+
 def test_the_same_object_untouched_lands_byte_for_byte(s3_server: MotoS3, tmp_path: Path) -> None:
     s3_server.put("models", "m/big.bin", DATA)
     download("s3://models/m", tmp_path)

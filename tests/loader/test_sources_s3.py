@@ -244,7 +244,7 @@ def test_a_part_cut_by_a_stall_resumes_after_the_bytes_it_wrote(
     assert resumed == [1 << 20]  # the first 1 MiB read had landed: only the rest is asked again
 
 
-@pytest.mark.parametrize("algorithm", ["CRC32", "SHA1", "SHA256"])  # CRC32C: boto3 needs awscrt to store one
+@pytest.mark.parametrize("algorithm", ["CRC64NVME", "CRC32C", "CRC32", "SHA1", "SHA256"])
 def test_each_stored_flexible_checksum_is_verified(s3_server: MotoS3, tmp_path: Path, algorithm: str) -> None:
     uri = s3_server.put("models", "m/w.bin", b"A" * 1000, checksum_algorithm=algorithm)
     (tmp_path / "good").mkdir()
@@ -253,6 +253,12 @@ def test_each_stored_flexible_checksum_is_verified(s3_server: MotoS3, tmp_path: 
     s3_server.tamper("models", "m/w.bin", b"B" * 1000)
     with pytest.raises(TransientSourceError, match=rf"m/w.bin: {algorithm.lower()} checksum mismatch"):
         download(uri, tmp_path)
+
+
+def test_an_exact_key_is_listed_with_its_flexible_checksum_rather_than_its_md5(s3_server: MotoS3) -> None:
+    uri = s3_server.put("models", "m/w.bin", b"123456789", checksum_algorithm="CRC64NVME")
+    (obj,) = listing(uri)
+    assert obj.checksum == Checksum(algorithm="crc64nvme", value="rosUhgp5mIg=")  # the CRC-64/NVME check value
 
 
 def test_credentials_from_a_shared_credentials_file_are_accepted(

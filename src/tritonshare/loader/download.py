@@ -270,8 +270,11 @@ class _Transfer:
             reserve(target, obj.size)
         except OSError as exc:
             raise _write_error(target, exc) from exc
-        checksum = obj.checksum if self.options.verify_checksums else None
-        split = Split(obj, target, part_bytes, checksum, self.hashing)
+        if self.options.verify_checksums:
+            ask = partial(source.whole_checksum, obj, self.options.stall_timeout_s)
+            split = Split(obj, target, part_bytes, obj.checksum, self.hashing, ask)
+        else:
+            split = Split(obj, target, part_bytes, None, self.hashing)
         self.splits.append(split)
         return [partial(self._part, split, index) for index in range(len(split.parts))]
 

@@ -12,21 +12,29 @@ overlaps with receiving. Parts are started in offset order, so the frontier move
 transfer, and when the last part lands little is left to hash: the transfer costs about max(network,
 hashing) instead of their sum (MD5 runs at ~0.5-0.75 GB/s on one core, and cannot be split).
 
+When the store keeps a checksum that the listing does not carry (S3's flexible checksums), the hasher thread
+first asks for it (``whole_checksum``: a HEAD, while the first parts land) and verifies the cheapest
+checksum stated; if asking fails, the listed one is used.
+
 A part that fails resumes where its bytes stopped (a ranged GET from there), so hashed bytes are never
 written again and the bytes already landed are not fetched twice.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from tritonshare.common.errors import TritonshareError
-from tritonshare.loader.checksum import Hasher, check, hasher_for
+from tritonshare.loader.checksum import Hasher, cheapest, check, hasher_for
 from tritonshare.loader.sources.base import Checksum, RemoteObject
 from tritonshare.loader.sources.stream import Part
+
+logger = logging.getLogger(__name__)
 
 HASH_STEP_BYTES = 8 << 20  # mapped and hashed at a time: bounds the mapped pages, and how long a stop waits
 HASHING_AT_ONCE = 4  # objects hashed at the same moment, per download: at most 4 windows (32 MiB) mapped
@@ -52,13 +60,15 @@ class Split:
         part_bytes: int,
         checksum: Checksum | None,
         slots: threading.Semaphore,
+        ask: Callable[[], Checksum | None] | None = None,
     ) -> None:
         self.obj = obj
         self.target = target
         self.part_bytes = part_bytes
         self.parts = [Part(offset, min(part_bytes, obj.size - offset)) for offset in range(0, obj.size, part_bytes)]
-        self.expected = checksum
-        self._hasher: Hasher | None = hasher_for(checksum.algorithm) if checksum else None
+        self.expected = checksum  # the cheapest stated: settled by the hasher thread once it has asked
+        self._ask = ask
+        self._hasher: Hasher | None = None
         self._landed = [0] * len(self.parts)  # bytes written contiguously from each part's start
         self._left = len(self.parts)
         self._next = 0  # the first part not landed whole
@@ -69,7 +79,8 @@ class Split:
         self._slots = slots  # held while a window is mapped
         self._state = threading.Condition()
         self._thread = threading.Thread(target=self._follow, name="tritonshare-hash", daemon=True)
-        if self._hasher is not None:
+        self._verifying = checksum is not None or ask is not None
+        if self._verifying:
             self._thread.start()
 
     def remaining(self, index: int) -> Part | None:
@@ -97,12 +108,14 @@ class Split:
     def verify(self) -> None:
         """After the last part: wait for the hasher to finish and compare (TransientSourceError on a
         mismatch). Raises TritonshareError when the hasher was stopped (the download is being cancelled)."""
-        if self._hasher is None or self.expected is None:
+        if not self._verifying:
             return
         self._thread.join()
         if self._failure is not None:
             raise self._failure
-        if self._hashed < self.obj.size:
+        if self._hasher is None:
+            return  # asked, and the store states no checksum either
+        if self._hashed < self.obj.size or self.expected is None:
             raise TritonshareError(f"{self.obj.key}: hashing stopped at byte {self._hashed}: download cancelled")
         check(self.obj, self.expected, self._hasher)
 
@@ -127,6 +140,11 @@ class Split:
         """The hasher thread: hash up to the frontier as it moves, until the end of the object or a stop."""
         fd = -1
         try:
+            if self._ask is not None:
+                self.expected = self._asked()
+            if self.expected is None:
+                return
+            self._hasher = hasher_for(self.expected.algorithm)
             fd = os.open(self.target, os.O_RDONLY)
             while (end := self._wait_for_bytes()) > self._hashed:
                 self._hash_to(fd, end)
@@ -135,6 +153,15 @@ class Split:
         finally:
             if fd >= 0:
                 os.close(fd)
+
+    def _asked(self) -> Checksum | None:
+        """The cheapest of the listed checksum and the one the store states when asked."""
+        assert self._ask is not None
+        try:
+            return cheapest(self._ask(), self.expected)
+        except TritonshareError as exc:
+            logger.warning("%s — verifying %s by its listed checksum", exc, self.obj.key)
+            return self.expected
 
     def _wait_for_bytes(self) -> int:
         """The frontier once it is past what is hashed; what is hashed when all is, or when stopped."""

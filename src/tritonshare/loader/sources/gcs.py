@@ -149,6 +149,9 @@ class GcsSource:
     def ranged(self, obj: RemoteObject) -> bool:
         return True
 
+    def whole_checksum(self, obj: RemoteObject, stall_timeout_s: float) -> Checksum | None:
+        return None  # the listing's CRC32C covers the whole object
+
     def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
         fetch_stream(self, obj, dest, progress, stall_timeout_s)
 

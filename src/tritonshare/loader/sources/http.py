@@ -89,6 +89,9 @@ class HttpSource:
     def ranged(self, obj: RemoteObject) -> bool:
         return self._ranges and obj.size > 0
 
+    def whole_checksum(self, obj: RemoteObject, stall_timeout_s: float) -> Checksum | None:
+        return None  # a server states none beyond what a whole answer's headers say
+
     def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
         fetch_stream(self, obj, dest, progress, stall_timeout_s)
 

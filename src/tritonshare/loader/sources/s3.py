@@ -16,13 +16,17 @@ Listing: ``s3://b/model`` is the folder ``model/`` (never ``model2/``, kserve#37
 under it and the URI does not end with ``/`` is ``model`` taken as one object's exact key.
 
 Verification: every GET is pinned to the listed ETag (``If-Match``: an object replaced since listing
-answers 412, retried); the ETag is the object's MD5 for single-part uploads; a whole-object GET asks for
-the object's flexible checksum (``x-amz-checksum-mode``) and S3 returns its CRC32/CRC32C/SHA when the
-object has one, which the engine then prefers: far cheaper to compute than MD5.
+answers 412, retried); the ETag is the object's MD5 for single-part uploads. S3 also keeps a *flexible*
+checksum — CRC64NVME for every object uploaded since 2025 unless the client chose CRC32/CRC32C/SHA —
+which is far cheaper to compute than MD5 and, unlike the ETag, covers multipart uploads too. A whole-object
+GET asks for it (``x-amz-checksum-mode``); a ranged GET cannot, so for an object fetched in parts whose
+listing names such an algorithm, :meth:`S3Source.whole_checksum` asks a HEAD for it. The engine verifies
+the cheapest checksum stated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import threading
@@ -67,13 +71,15 @@ _TRANSIENT = frozenset(
         "InternalError", "ServiceUnavailable", "PreconditionFailed",
     }
 )  # fmt: skip
-# response header → algorithm, for the flexible checksums the engine can compute (not CRC64NVME)
+# response header → algorithm, for the flexible checksums the engine can compute
 _FLEXIBLE = {
+    "x-amz-checksum-crc64nvme": "crc64nvme",
     "x-amz-checksum-crc32c": "crc32c",
     "x-amz-checksum-crc32": "crc32",
     "x-amz-checksum-sha1": "sha1",
     "x-amz-checksum-sha256": "sha256",
 }
+_COMPUTABLE = frozenset(_FLEXIBLE.values())
 Listing = list[RemoteObject]  # an alias: inside the class, `list` is the method
 
 
@@ -131,6 +137,7 @@ class S3Source:
         self._signer: Signer | None = None
         self._endpoint: Endpoint | None = None
         self._lock = threading.Lock()
+        self._flexible: set[str] = set()  # keys whose listing names a flexible checksum the engine can compute
 
     def list(self) -> Listing:
         folder = self.key.rstrip("/") + "/" if self.key else ""
@@ -158,6 +165,16 @@ class S3Source:
     def ranged(self, obj: RemoteObject) -> bool:
         return True
 
+    def whole_checksum(self, obj: RemoteObject, stall_timeout_s: float) -> Checksum | None:
+        """The object's flexible checksum, from a HEAD, when its listing named one (else no request)."""
+        if obj.key not in self._flexible:
+            return None
+        what = f"s3://{self.bucket}/{obj.key}"
+        pinned = {"if-match": obj.version} if obj.version else {}
+        signed = {"x-amz-checksum-mode": "ENABLED"}
+        with self._request("HEAD", obj.key, {}, signed, pinned, stall_timeout_s, what) as response:
+            return flexible_checksum(response)
+
     def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
         fetch_stream(self, obj, dest, progress, stall_timeout_s)
 
@@ -172,20 +189,26 @@ class S3Source:
             query = {"list-type": "2", "prefix": folder} | ({"continuation-token": token} if token else {})
             with self._request("GET", "", query, {}, {}, LIST_READ_TIMEOUT_S, what) as response:
                 page = _xml(_read(response, MAX_LISTING_BYTES, what), what)
-            objects += [_remote(key, key[len(folder) :], size, etag) for key, size, etag in _contents(page)]
+            for key, size, etag, algorithms in _contents(page):
+                objects.append(_remote(key, key[len(folder) :], size, etag))
+                if algorithms & _COMPUTABLE:
+                    self._flexible.add(key)
             token = _text(page, "NextContinuationToken")
             if _text(page, "IsTruncated") != "true" or not token:
                 return [obj for obj in objects if not obj.key.endswith("/")]  # console "folder" markers
 
     def _head(self, key: str) -> RemoteObject:
         try:
-            with self._request("HEAD", key, {}, {}, {}, LIST_READ_TIMEOUT_S, self.uri) as response:
+            signed = {"x-amz-checksum-mode": "ENABLED"}
+            with self._request("HEAD", key, {}, signed, {}, LIST_READ_TIMEOUT_S, self.uri) as response:
                 size, etag = int(response.header("Content-Length") or 0), response.header("ETag") or ""
+                flexible = flexible_checksum(response)
         except SourceNotFound as exc:
             raise SourceNotFound(
                 f"{self.uri}: no such object and no objects under {self.uri}/ — check the bucket and the key"
             ) from exc
-        return _remote(key, key.rsplit("/", 1)[-1], size, etag)
+        obj = _remote(key, key.rsplit("/", 1)[-1], size, etag)
+        return dataclasses.replace(obj, checksum=flexible) if flexible else obj  # cheaper than the ETag's MD5
 
     def _request(
         self,
@@ -295,10 +318,12 @@ def _text(element: ElementTree.Element, name: str) -> str:
     return next((child.text or "" for child in element if _local(child.tag) == name), "")
 
 
-def _contents(page: ElementTree.Element) -> Iterator[tuple[str, int, str]]:
+def _contents(page: ElementTree.Element) -> Iterator[tuple[str, int, str, set[str]]]:
+    """(key, size, ETag, flexible checksum algorithms named, lower case) of each object listed."""
     for item in page:
         if _local(item.tag) == "Contents":
-            yield _text(item, "Key"), int(_text(item, "Size") or 0), _text(item, "ETag")
+            algorithms = {(child.text or "").lower() for child in item if _local(child.tag) == "ChecksumAlgorithm"}
+            yield _text(item, "Key"), int(_text(item, "Size") or 0), _text(item, "ETag"), algorithms
 
 
 def network_error(exc: BaseException, what: str) -> TritonshareError:

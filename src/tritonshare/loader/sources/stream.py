@@ -59,6 +59,11 @@ class StreamSource(Protocol):
         """Whether ``open`` may be given a part of ``obj``."""
         ...
 
+    def whole_checksum(self, obj: RemoteObject, stall_timeout_s: float) -> Checksum | None:
+        """A checksum of the whole object that neither the listing nor a ranged answer carries, when the store
+        keeps one (S3's flexible checksums: one more request); None otherwise, without a request."""
+        ...
+
 
 def fetch_stream(
     source: StreamSource, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float
