@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from tritonshare.common.errors import InsufficientSpace, InvalidModel, TritonshareError, UnsafeArchive
+from tritonshare.loader.tar_stream import IncompleteArchive, TarStream
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,10 @@ def _read_error(archive: Path, kind: str, exc: BaseException) -> TritonshareErro
         return InsufficientSpace(f"unpacking {archive.name}: the staging filesystem is full — free space on the node")
     if isinstance(exc, OSError) and exc.errno is not None:
         return TritonshareError(f"{archive.name}: unpacking failed: {exc}")
+    if isinstance(exc, IncompleteArchive):
+        return InvalidModel(
+            f"{archive.name}: not a readable {kind} archive ({exc}) — upload the whole archive again, or rebuild it"
+        )
     return InvalidModel(f"{archive.name}: not a readable {kind} archive ({exc}) — check the file")
 
 
@@ -105,14 +110,18 @@ def _refuse_kind(archive: Path, name: str, kind: str) -> UnsafeArchive:
 
 
 def unpack_tar(archive: Path, dest: Path, budget: Budget) -> int:
-    """Stream the members in order (one pass, even for .tar.gz), checking each before writing it."""
+    """Stream the members in order (one pass, even for .tar.gz), checking each before writing it; then check
+    that the archive ends as a whole one does (see :mod:`tritonshare.loader.tar_stream`)."""
     count = 0
     try:
-        with tarfile.open(archive, mode="r|*") as tar:
-            for member in tar:
-                _check_tar_member(member, dest, archive, budget)
-                tar.extract(member, dest, **_TAR_FILTER)  # type: ignore[arg-type]
-                count += 1
+        with open(archive, "rb", buffering=0) as raw:
+            stream = TarStream(raw)
+            with stream.open_tar() as tar:
+                for member in tar:
+                    _check_tar_member(member, dest, archive, budget)
+                    tar.extract(member, dest, **_TAR_FILTER)  # type: ignore[arg-type]
+                    count += 1
+                stream.check_end(tar)
     except tarfile.FilterError as exc:  # our checks come first; this is the standard library agreeing
         raise _escape(archive, exc.tarinfo.name, str(exc)) from exc
     except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
