@@ -3,17 +3,24 @@ member by member so each hostile shape (``..``, absolute paths, links out, devic
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
+import lzma
 import os
+import shutil
 import stat
+import subprocess
 import tarfile
+import threading
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tritonshare.common.errors import ExitCode, InsufficientSpace, InvalidModel, UnsafeArchive
-from tritonshare.loader.archive import member_target, unpack, unpacker_for
+from tritonshare.loader.archive import Budget, member_target, unpack, unpack_tar, unpacker_for
 
 Member = tuple[str, str, bytes | str]  # (kind: file|dir|symlink|hardlink|chr|fifo, name, data or link target)
 
@@ -191,3 +198,163 @@ def test_an_archive_inflating_beyond_the_free_space_stops_before_filling_the_dis
         unpack(archive, dest, max_bytes=100_000)
     assert info.value.exit_code == ExitCode.INSUFFICIENT_SPACE
     assert not (dest / "model" / "1" / "big.bin").exists()
+
+
+# ------------------------------------------------------------------------------ an archive that ends early
+# tarfile's stream mode takes the end of the data for the end of the archive; a truncated upload whose stated
+# size and checksum were taken of the cut bytes would install a model missing files. Refused as cut short.
+
+CUT_SHORT = r"model\.tar(\.gz)?: not a readable tar archive \(.*: it was cut short\) — upload the whole archive again"
+COMPRESSORS: dict[str, Callable[[bytes], bytes]] = {
+    "tar": lambda data: data,
+    "gzip": gzip.compress,
+    "bzip2": bz2.compress,
+    "xz": lzma.compress,
+}
+
+
+def tar_of(tmp_path: Path, members: list[Member] = MODEL) -> bytes:
+    return make_tar(tmp_path / "whole.tar", members, "w").read_bytes()
+
+
+def end_of_members(tar: bytes) -> int:
+    """Where the last member's data ends (its padding included): where the end-of-archive marker begins."""
+    with tarfile.open(fileobj=io.BytesIO(tar)) as reader:
+        last = reader.getmembers()[-1]
+    return last.offset_data + -(-last.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+
+
+def write_archive(tmp_path: Path, data: bytes, compression: str) -> Path:
+    """``data`` compressed; named .tar.gz for gzip, .tar otherwise (bzip2 and xz are told by their first bytes)."""
+    archive = tmp_path / ("model.tar.gz" if compression == "gzip" else "model.tar")
+    archive.write_bytes(COMPRESSORS[compression](data))
+    return archive
+
+
+@pytest.mark.parametrize("compression", COMPRESSORS)
+def test_a_tar_cut_at_a_member_boundary_is_refused_as_cut_short(tmp_path: Path, dest: Path, compression: str) -> None:
+    tar = tar_of(tmp_path)
+    archive = write_archive(tmp_path, tar[: end_of_members(tar)], compression)  # a whole compressed stream
+    with pytest.raises(InvalidModel, match=CUT_SHORT) as info:
+        unpack(archive, dest)
+    assert info.value.exit_code == ExitCode.SOURCE_PERMANENT
+    assert f"it ends after {end_of_members(tar)} bytes of tar, before the tar's end-of-archive marker" in str(
+        info.value
+    )
+
+
+@pytest.mark.parametrize(("compression", "cut"), [("gzip", 8), ("gzip", 1), ("bzip2", 4), ("xz", 12)])
+def test_a_compressed_stream_missing_its_last_bytes_is_refused_as_cut_short(
+    tmp_path: Path, dest: Path, compression: str, cut: int
+) -> None:
+    """gzip's last 8 bytes are its CRC-32 and length, xz's last 12 its footer: the tar inside is whole."""
+    archive = write_archive(tmp_path, tar_of(tmp_path), compression)
+    archive.write_bytes(archive.read_bytes()[:-cut])
+    with pytest.raises(InvalidModel, match=CUT_SHORT) as info:
+        unpack(archive, dest)
+    assert f"its {compression} stream stops before the stream's end" in str(info.value)
+    assert info.value.exit_code == ExitCode.SOURCE_PERMANENT
+
+
+@pytest.mark.parametrize("compression", COMPRESSORS)
+def test_a_tar_ending_in_one_zero_block_is_whole(tmp_path: Path, dest: Path, compression: str) -> None:
+    """Some writers end with one zero block, not two; GNU tar accepts that (with a warning), so do we."""
+    tar = tar_of(tmp_path)
+    archive = write_archive(tmp_path, tar[: end_of_members(tar) + tarfile.BLOCKSIZE], compression)
+    assert unpack(archive, dest) == len(MODEL)
+    assert (dest / "model" / "1" / "weights.bin").read_bytes() == bytes(range(256)) * 64
+
+
+def write_tree(root: Path, members: list[Member] = MODEL) -> Path:
+    for kind, name, data in members:
+        if kind == "dir":
+            (root / name).mkdir(parents=True, exist_ok=True)
+        else:
+            (root / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+    return root
+
+
+@pytest.mark.parametrize("tool", ["tar", "bsdtar"])
+@pytest.mark.parametrize(
+    ("flags", "name"), [("-cf", "m.tar"), ("-czf", "m.tar.gz"), ("-cjf", "m.tar"), ("-cJf", "m.tar")]
+)
+def test_what_gnu_tar_and_bsdtar_write_is_whole(tmp_path: Path, dest: Path, tool: str, flags: str, name: str) -> None:
+    if shutil.which(tool) is None:
+        pytest.skip(f"{tool} is not installed (Debian: libarchive-tools)")
+    root = write_tree(tmp_path / "src")
+    subprocess.run([tool, flags, str(tmp_path / name), "-C", str(root), "model"], check=True)
+    assert unpack(tmp_path / name, dest) == len(MODEL)
+    assert (dest / "model" / "1" / "weights.bin").read_bytes() == bytes(range(256)) * 64
+
+
+def test_a_gnu_tar_archive_cut_at_a_member_boundary_is_refused(tmp_path: Path, dest: Path) -> None:
+    root = write_tree(tmp_path / "src")
+    subprocess.run(["tar", "-cf", str(tmp_path / "whole.tar"), "-C", str(root), "model"], check=True)
+    tar = (tmp_path / "whole.tar").read_bytes()
+    archive = write_archive(tmp_path, tar[: end_of_members(tar)], "gzip")
+    with pytest.raises(InvalidModel, match=CUT_SHORT):
+        unpack(archive, dest)
+
+
+def test_a_block_neither_member_nor_end_marker_is_refused(tmp_path: Path, dest: Path) -> None:
+    """tarfile's stream mode also took an unreadable header after the first member for the end."""
+    tar = tar_of(tmp_path)
+    end = end_of_members(tar)
+    archive = write_archive(tmp_path, tar[:end] + b"\xff" * tarfile.BLOCKSIZE + tar[end:], "gzip")
+    with pytest.raises(InvalidModel, match=rf"at byte {end} of the tar stands a block that is neither") as info:
+        unpack(archive, dest)
+    assert info.value.exit_code == ExitCode.SOURCE_PERMANENT
+
+
+def test_a_gzip_stream_with_a_wrong_checksum_is_refused(tmp_path: Path, dest: Path) -> None:
+    archive = write_archive(tmp_path, tar_of(tmp_path), "gzip")
+    data = bytearray(archive.read_bytes())
+    data[-8] ^= 0xFF  # the CRC-32 of the uncompressed bytes: tarfile's stream mode never read it
+    archive.write_bytes(bytes(data))
+    with pytest.raises(InvalidModel, match=r"model\.tar\.gz: not a readable tar archive \(damaged gzip data: .*check"):
+        unpack(archive, dest)
+
+
+@pytest.mark.parametrize("compression", ["gzip", "bzip2"])
+def test_concatenated_streams_read_as_one(tmp_path: Path, dest: Path, compression: str) -> None:
+    """As ``gzip -d`` reads ``cat a.gz b.gz`` (and pbzip2 writes bzip2): the end marker is in the second stream."""
+    tar = tar_of(tmp_path)
+    half = len(tar) // 2
+    compress = COMPRESSORS[compression]
+    archive = tmp_path / "model.tar"
+    archive.write_bytes(compress(tar[:half]) + compress(tar[half:]))
+    assert unpack(archive, dest) == len(MODEL)
+    assert (dest / "model" / "1" / "weights.bin").read_bytes() == bytes(range(256)) * 64
+
+
+def test_zeros_after_the_gzip_stream_are_ignored(tmp_path: Path, dest: Path) -> None:
+    """Padding a tape or a careless copy leaves; ``gzip -d`` ignores it too."""
+    archive = write_archive(tmp_path, tar_of(tmp_path), "gzip")
+    archive.write_bytes(archive.read_bytes() + bytes(10240))
+    assert unpack(archive, dest) == len(MODEL)
+
+
+@pytest.mark.parametrize("compression", ["tar", "gzip"])
+def test_from_a_pipe_reading_stops_at_the_archives_end(tmp_path: Path, dest: Path, compression: str) -> None:
+    """As the streamed download feeds it: what follows the archive's end (the record's zero padding, bytes
+    after the gzip stream) is not waited for; the writer still holds the pipe open when the unpack returns."""
+    tar = tar_of(tmp_path)
+    data = COMPRESSORS[compression](tar[: end_of_members(tar) + tarfile.BLOCKSIZE]) + bytes(4096)
+    pipe = tmp_path / "model.tar.gz"
+    os.mkfifo(pipe)
+    unpacked = threading.Event()
+    writer = threading.Thread(target=hold_open_after_writing, args=(pipe, data, unpacked))
+    writer.start()
+    try:
+        assert unpack_tar(pipe, dest, Budget(pipe, None)) == len(MODEL)
+        assert writer.is_alive()  # the pipe has not ended: the unpack did not wait for it to
+    finally:
+        unpacked.set()
+        writer.join(10)
+
+
+def hold_open_after_writing(pipe: Path, data: bytes, unpacked: threading.Event) -> None:
+    with open(pipe, "wb") as out:
+        out.write(data)
+        out.flush()
+        unpacked.wait(10)
