@@ -1,10 +1,12 @@
 """``tritonshare load`` of a ``.tar.gz`` over HTTP (and from S3 and GCS): the archive is unpacked as it arrives and
 never lands in staging, against real storage servers and the real Triton. A damaged archive exits with its code
 and leaves nothing: bytes damaged in transit are a transient failure (11, retried first), an archive damaged at
-the source is the source's fault (10, not retried), an archive whose member climbs out is refused (10)."""
+the source is the source's fault (10, not retried) — also one cut short exactly between two members, or missing
+only its gzip trailer, whose size and checksum agree — an archive whose member climbs out is refused (10)."""
 
 from __future__ import annotations
 
+import gzip
 import io
 import logging
 import os
@@ -190,6 +192,28 @@ def damaged_at_the_source(model: Path, tmp_path: Path) -> Path:
     return cut
 
 
+def cut_at_a_member_boundary(model: Path, tmp_path: Path) -> Path:
+    """The tar cut right before its last member, then gzipped whole: the gzip stream ends as it should, the tar
+    has no end-of-archive marker, the model misses a file; served as it is (its size and checksums agree)."""
+    whole = make_tar(model, tmp_path / "whole.tar", compression="", arcname="model").read_bytes()
+    with tarfile.open(fileobj=io.BytesIO(whole)) as tar:
+        last = tar.getmembers()[-1]
+    cut = tmp_path / "model.tar.gz"
+    cut.write_bytes(gzip.compress(whole[: last.offset], compresslevel=1))
+    return cut
+
+
+def gzip_trailer_missing(model: Path, tmp_path: Path) -> Path:
+    """The whole tar, but the gzip stream without its last 8 bytes (CRC-32 and length), served as it is."""
+    whole = make_tar(model, tmp_path / "whole.tar.gz", arcname="model").read_bytes()
+    cut = tmp_path / "model.tar.gz"
+    cut.write_bytes(whole[:-8])
+    return cut
+
+
+UNREADABLE = "model.tar.gz: not a readable tar archive"
+
+
 def climbing_out(model: Path, tmp_path: Path) -> Path:
     archive = tmp_path / "model.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
@@ -204,10 +228,18 @@ def climbing_out(model: Path, tmp_path: Path) -> Path:
     ("make", "fault", "code", "reason", "gets"),
     [
         (None, Fault(corrupt=True), ExitCode.SOURCE_TRANSIENT, "model.tar.gz: sha256 checksum mismatch", 2),
-        (damaged_at_the_source, None, ExitCode.SOURCE_PERMANENT, "model.tar.gz: not a readable tar archive", 1),
+        (damaged_at_the_source, None, ExitCode.SOURCE_PERMANENT, UNREADABLE, 1),
+        (cut_at_a_member_boundary, None, ExitCode.SOURCE_PERMANENT, f"{UNREADABLE} (it ends after", 1),
+        (gzip_trailer_missing, None, ExitCode.SOURCE_PERMANENT, f"{UNREADABLE} (its gzip stream stops before", 1),
         (climbing_out, None, ExitCode.SOURCE_PERMANENT, "model.tar.gz: member '../../escaped.pbtxt' is refused", 1),
     ],
-    ids=["corrupted-in-transit", "truncated-at-the-source", "member-climbing-out"],
+    ids=[
+        "corrupted-in-transit",
+        "truncated-at-the-source",
+        "cut-at-a-member-boundary",
+        "gzip-trailer-missing",
+        "member-climbing-out",
+    ],
 )
 def test_a_damaged_archive_exits_with_its_code_and_leaves_nothing(
     node_root: Path,
