@@ -8,6 +8,8 @@ unpacked earlier cannot carry a later member outside):
 - it is a regular file, a folder or a link: device files, FIFOs and the like are refused.
 
 A refused member raises :class:`UnsafeArchive` naming it; the caller discards the half-unpacked folder.
+A tar must also end as a whole one does — its end-of-archive marker, and its compressed stream's own end —
+or it is refused as cut short (:mod:`tritonshare.loader.tar_stream`), never installed missing files.
 The bytes unpacked are counted against a budget (the free space measured before), so an archive that
 inflates beyond the disk fails as :class:`InsufficientSpace` before the disk fills.
 Formats are a registry keyed by file-name suffix, with a sniff of the first bytes for names without one
@@ -95,11 +97,8 @@ def _read_error(archive: Path, kind: str, exc: BaseException) -> TritonshareErro
         return InsufficientSpace(f"unpacking {archive.name}: the staging filesystem is full — free space on the node")
     if isinstance(exc, OSError) and exc.errno is not None:
         return TritonshareError(f"{archive.name}: unpacking failed: {exc}")
-    if isinstance(exc, IncompleteArchive):
-        return InvalidModel(
-            f"{archive.name}: not a readable {kind} archive ({exc}) — upload the whole archive again, or rebuild it"
-        )
-    return InvalidModel(f"{archive.name}: not a readable {kind} archive ({exc}) — check the file")
+    advice = "upload the whole archive again, or rebuild it" if isinstance(exc, IncompleteArchive) else "check the file"
+    return InvalidModel(f"{archive.name}: not a readable {kind} archive ({exc}) — {advice}")
 
 
 def _refuse_kind(archive: Path, name: str, kind: str) -> UnsafeArchive:

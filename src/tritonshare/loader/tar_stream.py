@@ -6,9 +6,11 @@ So an archive cut short at a member boundary (a truncated upload whose stated si
 the cut bytes) would unpack as a model missing files. :class:`TarStream` is the file tarfile reads instead:
 it inflates the archive itself (gzip, bzip2, xz or lzma, told by the first bytes, as ``r|*`` tells them; a
 plain tar passes through), remembers the last bytes it handed out, and :meth:`TarStream.check_end` then
-requires what GNU tar requires:
+requires both ends a whole archive has:
 
-- a zero block where tarfile found no further member (one is enough: some writers omit the second);
+- a zero block where tarfile found no further member (POSIX writes two; one is enough, as for GNU tar, which
+  warns of "a lone zero block"). Stricter than GNU tar and bsdtar, which take a plain tar that stops between
+  two members for whole: for a model, a missing file is worse than a refused upload;
 - a compressed stream that reached its own end (gzip's CRC-32 and length, bzip2's and xz's checks, all
   verified by the decompressors), reading on past the tar's end if need be — and no further.
 
@@ -106,7 +108,7 @@ class TarStream:
         self._input = _read_at_least(raw, _SNIFF_BYTES)
         self.compression, self._new = _compression(self._input)
         self._decompressor = self._new() if self._new is not None else None
-        self.delivered = 0  # bytes of tar handed out
+        self._delivered = 0  # bytes of tar handed out
         self._kept: deque[tuple[int, bytes]] = deque()  # (offset, chunk): at least the last _KEPT_BYTES
 
     def open_tar(self) -> tarfile.TarFile:
@@ -186,15 +188,15 @@ class TarStream:
             self._decompress(decompressor, data, READ_BYTES)
 
     def _keep(self, data: bytes) -> None:
-        self._kept.append((self.delivered, data))
-        self.delivered += len(data)
-        while self.delivered - self._kept[0][0] - len(self._kept[0][1]) >= _KEPT_BYTES:
+        self._kept.append((self._delivered, data))
+        self._delivered += len(data)
+        while self._delivered - self._kept[0][0] - len(self._kept[0][1]) >= _KEPT_BYTES:
             self._kept.popleft()
 
     def _kept_block(self, start: int) -> bytes:
         """The delivered bytes from ``start`` on, at most one block; short when the tar ended sooner."""
-        if self._kept and start < self._kept[0][0]:
-            raise AssertionError(f"tar end {start} is before the kept bytes ({self._kept[0][0]}): tarfile read ahead")
+        if self._kept and start < self._kept[0][0]:  # a tarfile reading further ahead than it does today
+            raise RuntimeError(f"tar end {start} precedes the bytes kept to check it (from {self._kept[0][0]})")
         parts = [chunk[max(start - offset, 0) :] for offset, chunk in self._kept if offset + len(chunk) > start]
         return b"".join(parts)[:BLOCK_BYTES]
 
