@@ -328,6 +328,20 @@ def test_a_repeated_model_name_is_judged_by_its_last_occurrence(
     assert np.frombuffer(response.raw_output_contents[0], dtype=np.float32).tolist() == data.tolist()
 
 
+def test_a_model_name_behind_a_tag_wider_than_32_bits_is_refused(
+    channel: grpc.Channel, served_models: ServedModels, triton: TritonServer
+) -> None:
+    # Triton's C++ parser keeps a tag's low 32 bits: 10 + 2**32 is field 1 to it, the other model's name.
+    wide = bytes([0x8A, 0x80, 0x80, 0x80, 0x10]) + _name_field(served_models.other)[1:]
+    request = infer_request(served_models.own, np.arange(4, dtype=np.float32)).SerializeToString() + wide
+    before = inference_count(triton, served_models.other)
+    assert raw_status(channel, f"/{GRPC_SERVICE}/ModelInfer", request)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert raw_status(channel, f"/{GRPC_SERVICE}/ModelConfig", _name_field(served_models.own) + wide)[0] == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert inference_count(triton, served_models.other) == before
+
+
 def _name_field(name: str) -> bytes:
     return b"\x0a" + bytes([len(name)]) + name.encode()
 

@@ -26,7 +26,7 @@ from tritonshare.proxy.policy import (
     GRPC_UNIMPLEMENTED,
     GrpcRule,
 )
-from tritonshare.proxy.protobuf import MessageWalker
+from tritonshare.proxy.protobuf import MalformedMessage, MessageWalker, length_delimited
 
 OWN = b"own"
 INFER = GRPC_RULES[f"/{GRPC_SERVICE}/ModelInfer"]
@@ -187,6 +187,39 @@ def test_malformed_messages_are_refused(message: bytes) -> None:
     verdicts = every_cut(framed(message))
     assert {r.status for r in verdicts if r} == {GRPC_INVALID_ARGUMENT}
     assert None not in verdicts
+
+
+WIDE_NAME_TAG = bytes([0x8A, 0x80, 0x80, 0x80, 0x10])  # 10 + 2**32: field 1 to protobuf's C++ parser
+
+
+def test_a_tag_wider_than_32_bits_is_refused_not_skipped() -> None:
+    # Triton's C++ parser keeps a tag's low 32 bits: this last field is model_name "other" to Triton.
+    message = infer().SerializeToString() + WIDE_NAME_TAG + b"\x05other"
+    verdicts = every_cut(framed(message))
+    assert {r.status for r in verdicts if r} == {GRPC_INVALID_ARGUMENT} and None not in verdicts
+    walker = MessageWalker(inspect=True, limit=1 << 20)
+    with pytest.raises(MalformedMessage, match="wider than 32 bits"):
+        walker.walk(message, 0, len(message))
+
+
+def test_a_shared_memory_key_behind_a_wide_tag_is_refused() -> None:
+    param = pb.InferParameter(string_param="region").SerializeToString()
+    key = b"shared_memory_region"
+    entry = WIDE_NAME_TAG + bytes([len(key)]) + key + b"\x12" + bytes([len(param)]) + param  # map key: field 1
+    tensor = pb.ModelInferRequest.InferInputTensor(name="INPUT0", datatype="FP32", shape=[4]).SerializeToString()
+    tensor += b"\x22" + bytes([len(entry)]) + entry  # InferInputTensor.parameters (field 4)
+    message = b"\x0a\x03own\x2a" + bytes([len(tensor)]) + tensor  # ModelInferRequest.inputs (field 5)
+    verdicts = every_cut(framed(message))
+    assert None not in verdicts and {r.status for r in verdicts if r} <= {GRPC_INVALID_ARGUMENT, GRPC_PERMISSION_DENIED}
+    with pytest.raises(MalformedMessage, match="wider than 32 bits"):
+        list(length_delimited(entry))
+
+
+def test_a_long_but_32_bit_tag_is_read_as_its_field() -> None:
+    # Non-canonical, yet within 32 bits: field 1 to protobuf, and to the proxy.
+    message = infer().SerializeToString() + bytes([0x8A, 0x80, 0x80, 0x80, 0x00]) + b"\x05other"
+    assert pb.ModelInferRequest.FromString(message).model_name == "other"
+    assert {r.status for r in every_cut(framed(message)) if r} == {GRPC_NOT_FOUND}
 
 
 def test_truncated_compressed_stream_is_refused() -> None:

@@ -38,6 +38,12 @@ _MARKER_TAIL = len(SHM_MARKER) - 1
 _TAG, _LENGTH, _VARINT, _SKIP, _VALUE = range(5)
 
 
+# Protobuf's C++ parser (Triton's) reads a tag into 32 bits and drops what lies above: a 5-byte tag of
+# 10 + 2**32 is field 1 to Triton. The walkers refuse every tag wider than 32 bits rather than see another field.
+MAX_TAG = 0xFFFF_FFFF
+_WIDE_TAG = "a field tag wider than 32 bits (protobuf's C++ parser would read it as another field)"
+
+
 class MalformedMessage(Exception):
     """The bytes are not a protobuf message the walker can follow."""
 
@@ -121,6 +127,8 @@ class FieldWalker:
         number, wire_type = tag >> 3, tag & 7
         if number == 0:
             raise MalformedMessage("field number 0")
+        if tag > MAX_TAG:
+            raise MalformedMessage(_WIDE_TAG)
         self._field = number
         if wire_type == 2:
             self._state = _LENGTH
@@ -222,6 +230,8 @@ class MessageWalker:
             pos += 1
             if tag & 0x80:  # one-byte tags and lengths are read inline: a call each would cost more than the walk
                 tag, pos = _varint_within(buf, pos - 1, end)
+                if tag > MAX_TAG:
+                    raise MalformedMessage(_WIDE_TAG)
             if tag & 7 == 2:
                 length = buf[pos] if pos < end else 0x80
                 pos += 1
@@ -308,6 +318,8 @@ def length_delimited(data: bytes) -> Iterator[tuple[int, bytes]]:
         number, wire_type = tag >> 3, tag & 7
         if number == 0:
             raise MalformedMessage("field number 0")
+        if tag > MAX_TAG:
+            raise MalformedMessage(_WIDE_TAG)
         if wire_type == 0:
             walker_pos = _varint(data, walker_pos)[1]
         elif wire_type in (1, 5):
