@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import os
 import threading
@@ -190,11 +191,16 @@ def test_a_malformed_checksum_header_states_nothing() -> None:
 
 class StaticServer:
     """aiohttp's own static file handler (which answers Range requests and says Accept-Ranges: bytes)
-    under /files/, and /hops/N/NAME redirecting N times before landing on /files/NAME."""
+    under /files/, and /hops/N/NAME redirecting N times before landing on /files/NAME; /private/NAME wants
+    Basic authentication as alice:s3cret, and /away/NAME redirects to /private/NAME on another origin
+    (``localhost`` instead of ``127.0.0.1``)."""
+
+    USER, PASSWORD = "alice", "s3cret"
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.ranges: list[str] = []
+        self.authorization: list[tuple[str, str]] = []  # (host, Authorization) of each /private request
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="static-server", daemon=True)
         self._runner: web.AppRunner | None = None
@@ -219,6 +225,8 @@ class StaticServer:
         app = web.Application()
         app.router.add_get("/files/{name}", self._file)
         app.router.add_get("/hops/{count}/{name}", self._hop)
+        app.router.add_get("/private/{name}", self._private)
+        app.router.add_get("/away/{name}", self._away)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
@@ -227,6 +235,16 @@ class StaticServer:
         if "Range" in request.headers:
             self.ranges.append(request.headers["Range"])
         return web.FileResponse(self.root / request.match_info["name"])
+
+    async def _private(self, request: web.Request) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "")
+        self.authorization.append((request.host, given))
+        if given != "Basic " + base64.b64encode(f"{self.USER}:{self.PASSWORD}".encode()).decode():
+            raise web.HTTPUnauthorized(headers={"WWW-Authenticate": 'Basic realm="models"'})
+        return await self._file(request)
+
+    async def _away(self, request: web.Request) -> web.StreamResponse:
+        raise web.HTTPFound(f"http://localhost:{self.port}/private/{request.match_info['name']}")
 
     async def _hop(self, request: web.Request) -> web.StreamResponse:
         count, name = int(request.match_info["count"]), request.match_info["name"]
@@ -266,3 +284,36 @@ def test_redirects_are_followed(static_server: StaticServer, tmp_path: Path) -> 
 def test_endless_redirects_are_a_permanent_error(static_server: StaticServer) -> None:
     with pytest.raises(SourceError, match=r"more than 10 redirects — check the URL"):
         opened(static_server.url("/hops/11/m.tar.gz")).list()
+
+
+def test_credentials_in_the_url_are_sent_as_basic_authentication(static_server: StaticServer, tmp_path: Path) -> None:
+    (static_server.root / "m.tar.gz").write_bytes(b"archive")
+    url = static_server.url("/private/m.tar.gz").replace("://", f"://{StaticServer.USER}:{StaticServer.PASSWORD}@")
+    source = opened(url)
+    (obj,) = source.list()
+    assert StaticServer.PASSWORD not in source.uri + obj.key
+    download(url, tmp_path)
+    assert (tmp_path / "m.tar.gz").read_bytes() == b"archive"
+
+
+def test_a_wrong_password_is_access_denied_and_never_shown(static_server: StaticServer) -> None:
+    url = static_server.url("/private/m.tar.gz").replace("://", "://alice:wrong-Pa55@")
+    with pytest.raises(SourceAccessDenied) as denied:
+        opened(url).list()
+    assert "wrong-Pa55" not in str(denied.value) and "alice" not in str(denied.value)
+
+
+def test_credentials_are_not_sent_to_another_origin_on_a_redirect(static_server: StaticServer) -> None:
+    (static_server.root / "m.tar.gz").write_bytes(b"archive")
+    url = static_server.url("/away/m.tar.gz").replace("://", f"://{StaticServer.USER}:{StaticServer.PASSWORD}@")
+    with pytest.raises(SourceAccessDenied):
+        opened(url).list()
+    assert static_server.authorization == [(f"localhost:{static_server.port}", "")]
+
+
+def test_a_signed_urls_query_values_never_appear_in_messages(http_server: HttpFileServer) -> None:
+    url = http_server.url("missing.tar.gz") + "?X-Amz-Credential=AKIAEXAMPLE&X-Amz-Signature=deadbeef"
+    with pytest.raises(SourceNotFound) as missing:
+        opened(url).list()
+    message = str(missing.value)
+    assert "X-Amz-Signature=…" in message and "deadbeef" not in message and "AKIAEXAMPLE" not in message

@@ -30,7 +30,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from tritonshare.common.errors import ExitCode, InsufficientSpace, ReadinessTimeout, TritonLoadFailed
 from tritonshare.common.layout import NodeLayout
@@ -43,7 +42,7 @@ from tritonshare.loader.install import Installed, existing, install, listing_dig
 from tritonshare.loader.model import prepare
 from tritonshare.loader.readiness import MODES, wait_live
 from tritonshare.loader.settings import LoaderSettings
-from tritonshare.loader.sources.base import RemoteObject, Source
+from tritonshare.loader.sources.base import RemoteObject, Source, display_uri
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +109,7 @@ def holding_lease(settings: LoaderSettings) -> Iterator[None]:
         yield
         return
     leases = LeaseStore(settings.layout.leases, ttl_s=settings.lease_ttl_s)
-    lease = leases.acquire(settings.name, settings.holder, source=record_uri(settings.source))
+    lease = leases.acquire(settings.name, settings.holder, source=display_uri(settings.source))
     try:
         with Heartbeat(leases, lease):
             yield
@@ -127,7 +126,7 @@ def _fetch_and_install(
         options = DownloadOptions.from_settings(settings)
         with timings.phase("list"):
             objects = list_objects(source, options)
-        record = InstallRecord(name=settings.name, source=record_uri(settings.source), digest=listing_digest(objects))
+        record = InstallRecord(name=settings.name, source=display_uri(settings.source), digest=listing_digest(objects))
         found = existing(settings.layout, record)
         if found is not None:
             when = datetime.fromtimestamp(found.installed_at, timezone.utc).isoformat(timespec="seconds")
@@ -258,11 +257,3 @@ def _left_in_place(layout: NodeLayout, name: str) -> str:
         f"would hang Triton's polling for every model — `tritonshare unload --name {name}` removes it once the "
         "load ends"
     )
-
-
-def record_uri(uri: str) -> str:
-    """The source as recorded on the node and shown in messages: without any user:password part."""
-    parts = urlsplit(uri)
-    if "@" not in parts.netloc:
-        return uri
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 from tritonshare.common.errors import UsageError
 
@@ -64,6 +65,18 @@ def register(*schemes: str) -> Callable[[SourceFactory], SourceFactory]:
     return add
 
 
+def display_uri(uri: str) -> str:
+    """``uri`` as it may be shown and kept on the node: no ``user:password@``, and the values of its query
+    masked (a pre-signed URL's signature is a secret, and changes with every signing while the object does
+    not): ``https://u:p@host/m.tgz?X-Amz-Signature=ab`` → ``https://host/m.tgz?X-Amz-Signature=…``."""
+    if "://" not in uri:
+        return uri  # a path
+    parts = urlsplit(uri)
+    netloc = parts.netloc.rsplit("@", 1)[-1]
+    query = "&".join(f"{item.partition('=')[0]}=…" if "=" in item else item for item in parts.query.split("&"))
+    return urlunsplit(parts._replace(netloc=netloc, query=query if parts.query else "", fragment=""))
+
+
 def scheme_of(uri: str) -> str:
     """``s3://b/k`` → ``s3``; a plain path → ``file``."""
     head, sep, _ = uri.partition("://")
@@ -75,5 +88,7 @@ def open_source(uri: str) -> Source:
     factory = SOURCES.get(scheme)
     if factory is None:
         supported = ", ".join(sorted(f"{s}://" for s in SOURCES))
-        raise UsageError(f"source {uri!r}: unsupported scheme {scheme!r} — use one of {supported} or a path")
+        raise UsageError(
+            f"source {display_uri(uri)!r}: unsupported scheme {scheme!r} — use one of {supported} or a path"
+        )
     return factory(uri)

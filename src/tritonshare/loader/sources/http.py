@@ -7,16 +7,21 @@ version (ETag, else Last-Modified), whether the server serves byte ranges (then 
 parallel parts) and a checksum when the server states one: ``Repr-Digest``/``Digest`` (RFC 9530/3230),
 ``Content-MD5``, or ``x-goog-hash``. The file is named by the URL's last path segment, so
 ``…/model.tar.gz?X-Amz-Signature=…`` lands as ``model.tar.gz``.
+
+Credentials in the URL (``https://user:password@host/…``) are sent as HTTP Basic authentication, as curl
+sends them, and only to that origin: a redirect elsewhere does not carry them. Messages, logs and what the
+node keeps name the URL without them and with its query values masked
+(:func:`~tritonshare.loader.sources.base.display_uri`).
 """
 
 from __future__ import annotations
 
 import re
-from base64 import b64decode
+from base64 import b64decode, b64encode
 from email.message import Message
 from pathlib import Path
 from typing import Literal
-from urllib.parse import unquote, urljoin, urlsplit
+from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 from tritonshare import __version__
 from tritonshare.common.errors import (
@@ -28,7 +33,7 @@ from tritonshare.common.errors import (
     UsageError,
     clip,
 )
-from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, register
+from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, display_uri, register
 from tritonshare.loader.sources.stream import Body, Part, fetch_stream
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, failure_kind
 
@@ -55,10 +60,14 @@ def file_name(uri: str) -> str:
 @register("http", "https")
 class HttpSource:
     def __init__(self, uri: str, *, transport: Transport | None = None) -> None:
-        if not urlsplit(uri).hostname:
-            raise UsageError(f"source {uri!r}: no host — use http(s)://HOST/PATH")
-        self.uri = uri
+        parts = urlsplit(uri)
+        if not parts.hostname:
+            raise UsageError(f"source {display_uri(uri)!r}: no host — use http(s)://HOST/PATH")
+        self.uri = display_uri(uri)  # for messages, logs and the node's records
         self.name = file_name(uri)
+        self._url = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]))  # what is fetched
+        self._origin = _origin(self._url)
+        self._auth = _basic_auth(parts.username, parts.password)
         self._transport = transport or Transport()
         self._ranges = False  # the server said Accept-Ranges: bytes
 
@@ -79,7 +88,7 @@ class HttpSource:
     def open(self, obj: RemoteObject, stall_timeout_s: float, part: Part | None = None) -> Body:
         headers = {**HEADERS, "Range": part.header} if part else HEADERS
         what = f"{obj.key} (bytes {part.offset}-{part.offset + part.length - 1})" if part else obj.key
-        response = self._request("GET", obj.key, headers, stall_timeout_s, what)
+        response = self._request("GET", self._url, headers, stall_timeout_s, what)
         served = response.header("Content-Range") or ""
         if part and (response.status != 206 or not served.startswith(f"bytes {part.offset}-")):
             response.close()
@@ -99,10 +108,10 @@ class HttpSource:
         self._transport.close()
 
     def _headers(self) -> Message:
-        response = self._follow("HEAD", self.uri, HEADERS, LIST_TIMEOUT_S, self.uri)
+        response = self._follow("HEAD", self._url, HEADERS, LIST_TIMEOUT_S, self.uri)
         if response.status in _HEAD_REFUSED:
             response.close()
-            response = self._follow("GET", self.uri, HEADERS, LIST_TIMEOUT_S, self.uri)
+            response = self._follow("GET", self._url, HEADERS, LIST_TIMEOUT_S, self.uri)
         if response.status >= 300:
             raise status_error(response, self.uri)
         response.close()  # a GET's body is not read: only the headers count
@@ -121,8 +130,9 @@ class HttpSource:
         self, method: Literal["GET", "HEAD"], url: str, headers: dict[str, str], read_timeout_s: float, what: str
     ) -> Response:
         for _ in range(MAX_REDIRECTS + 1):
+            sent = {**headers, **self._auth} if self._auth and _origin(url) == self._origin else headers
             try:
-                response = self._transport.request(method, url, headers, read_timeout_s=read_timeout_s)
+                response = self._transport.request(method, url, sent, read_timeout_s=read_timeout_s)
             except _REQUEST_ERRORS as exc:
                 raise network_error(exc, what) from exc
             location = response.header("Location")
@@ -131,6 +141,19 @@ class HttpSource:
             response.close()
             url = urljoin(url, location)
         raise SourceError(f"{what}: more than {MAX_REDIRECTS} redirects — check the URL")
+
+
+def _origin(url: str) -> tuple[str, str, int]:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or (443 if scheme == "https" else 80)
+
+
+def _basic_auth(user: str | None, password: str | None) -> dict[str, str]:
+    if user is None:
+        return {}
+    pair = f"{unquote(user)}:{unquote(password or '')}".encode()
+    return {"Authorization": "Basic " + b64encode(pair).decode()}
 
 
 def network_error(exc: BaseException, url: str) -> TritonshareError:
