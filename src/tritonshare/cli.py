@@ -9,8 +9,9 @@ GPU check only when used).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -33,6 +34,10 @@ from tritonshare.common.lease import DEFAULT_TTL_S, Holder
 from tritonshare.common.logs import configure_logging
 from tritonshare.node.commands import advertise
 from tritonshare.node.gc_command import gc
+
+if TYPE_CHECKING:
+    from tritonshare.loader.settings import LoaderSettings
+    from tritonshare.proxy.settings import ProxySettings
 
 
 def _name(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -146,29 +151,7 @@ def main(log_format: str, log_level: str) -> None:
     help="Triton's metrics page, read by the GPU memory check.  [default: Triton's host, port 8002]",
 )
 @termination_log_option
-def load(
-    source: str,
-    name: str,
-    repository: Path,
-    staging: Path,
-    triton_url: str,
-    leases: Path,
-    lease_ttl_s: float,
-    pod_uid: str | None,
-    pod_name: str,
-    pod_namespace: str,
-    mode: str,
-    timeout_s: float,
-    download_timeout_s: float,
-    stall_timeout_s: float,
-    retries: int,
-    concurrency: int,
-    poll_interval_s: float,
-    config_check: str,
-    require_gpu_memory_mib: int,
-    triton_metrics_url: str | None,
-    termination_log: Path,
-) -> None:
+def load(**params: Any) -> None:
     """Fetch SOURCE (s3://, gs://, http(s)://, file:// or a path), install it as NAME, wait until ready.
 
     Exit codes: 0 ready; 2 usage; 10 permanent source error; 11 transient source failure; 12 Triton
@@ -177,28 +160,35 @@ def load(
     (GPU memory check).
     """
     from tritonshare.loader.run import run
+
+    settings = loader_settings(params)
+    termination_log = settings.termination_log
+    run_command(lambda: run(settings), termination_log=termination_log)
+
+
+def loader_settings(params: dict[str, Any]) -> LoaderSettings:
+    """The loader's settings from ``load``'s parsed options (the command line, else TRITONSHARE_* variables)."""
     from tritonshare.loader.settings import LoaderSettings
 
-    settings = LoaderSettings(
-        source=source,
-        name=name,
-        layout=NodeLayout(repository=repository, staging=staging, leases=leases),
-        holder=holder_of(pod_uid, pod_name, pod_namespace),
-        lease_ttl_s=lease_ttl_s,
-        triton_url=triton_url,
-        mode=mode,  # type: ignore[arg-type]  # click.Choice guarantees it
-        timeout_s=timeout_s,
-        download_timeout_s=download_timeout_s,
-        stall_timeout_s=stall_timeout_s,
-        retries=retries,
-        concurrency=concurrency,
-        poll_interval_s=poll_interval_s,
-        config_check=config_check,  # type: ignore[arg-type]  # click.Choice guarantees it
-        require_gpu_memory_mib=require_gpu_memory_mib,
-        triton_metrics_url=triton_metrics_url or None,
-        termination_log=termination_log,
+    return LoaderSettings(
+        source=params["source"],
+        name=params["name"],
+        layout=NodeLayout(repository=params["repository"], staging=params["staging"], leases=params["leases"]),
+        holder=holder_of(params["pod_uid"], params["pod_name"], params["pod_namespace"]),
+        lease_ttl_s=params["lease_ttl_s"],
+        triton_url=params["triton_url"],
+        mode=params["mode"],
+        timeout_s=params["timeout_s"],
+        download_timeout_s=params["download_timeout_s"],
+        stall_timeout_s=params["stall_timeout_s"],
+        retries=params["retries"],
+        concurrency=params["concurrency"],
+        poll_interval_s=params["poll_interval_s"],
+        config_check=params["config_check"],
+        require_gpu_memory_mib=params["require_gpu_memory_mib"],
+        triton_metrics_url=params["triton_metrics_url"] or None,
+        termination_log=params["termination_log"],
     )
-    run_command(lambda: run(settings), termination_log=termination_log)
 
 
 @main.command()
@@ -370,8 +360,20 @@ def proxy(
     if source:
         from tritonshare.pod import reinstall_if_missing
 
-        reinstall_if_missing(source, settings)
+        reinstall_if_missing(_reinstall_settings(source, settings), settings)
     run_command(lambda: run(settings))
+
+
+def _reinstall_settings(source: str, proxy: ProxySettings) -> LoaderSettings:
+    """What ``tritonshare load`` would run in this pod: its options from the same TRITONSHARE_* variables (the
+    pod's ConfigMap), NAME, the node folders, Triton and the lease holder from the proxy's own settings, and
+    no termination message (the proxy's is its own exit's)."""
+    layout = proxy.layout
+    args = [source, "--name", proxy.name, "--triton-url", proxy.triton_url, "--repository", str(layout.repository)]
+    args += ["--staging", str(layout.staging), "--leases", str(layout.leases)]
+    with load.make_context("load", args) as context:
+        settings = loader_settings(context.params)
+    return dataclasses.replace(settings, holder=proxy.holder, lease_ttl_s=proxy.lease_ttl_s, termination_log=None)
 
 
 main.add_command(advertise)

@@ -6,8 +6,8 @@ stopped by SIGTERM, and its SIGTERM drains and then unloads the model. The loade
 does not run again, so the restarted proxy would serve a model that is gone and the pod would stay unready
 until it is deleted. Given the pod's SOURCE (``--source``, the same ``TRITONSHARE_SOURCE`` the loader reads,
 which the manifests give both containers), the proxy installs the model again when it finds it missing at
-start, exactly as ``tritonshare load`` does, in a thread while it serves: readiness stays false until Triton
-serves the model.
+start, exactly as ``tritonshare load`` does — with the loader's options read from the same TRITONSHARE_*
+variables — in a thread while it serves: readiness stays false until Triton serves the model.
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ import threading
 from tritonshare.common.errors import ExitCode, TritonshareError
 from tritonshare.loader.run import run as load
 from tritonshare.loader.settings import LoaderSettings
+from tritonshare.loader.sources.base import display_uri
 from tritonshare.proxy.settings import ProxySettings
 
 logger = logging.getLogger("tritonshare")
 
 
-def reinstall_if_missing(source: str, proxy: ProxySettings) -> threading.Thread | None:
-    """Start installing the proxy's model from ``source`` if its folder is not in the repository; returns the
-    thread doing it (None when the model is there). Failures are logged: the proxy keeps serving, unready."""
+def reinstall_if_missing(loader: LoaderSettings, proxy: ProxySettings) -> threading.Thread | None:
+    """Start installing the proxy's model with ``loader`` (what ``tritonshare load`` would run in this pod) if
+    its folder is not in the repository; returns the thread doing it (None when the model is there). Failures
+    are logged: the proxy keeps serving, unready."""
     if proxy.layout.model_dir(proxy.name).exists():
         return None
     logger.warning(
@@ -33,18 +35,9 @@ def reinstall_if_missing(source: str, proxy: ProxySettings) -> threading.Thread 
         "installing it again from %s",
         proxy.name,
         proxy.layout.repository,
-        source,
+        display_uri(loader.source),
     )
-    settings = LoaderSettings(
-        source=source,
-        name=proxy.name,
-        layout=proxy.layout,
-        holder=proxy.holder,
-        lease_ttl_s=proxy.lease_ttl_s,
-        triton_url=proxy.triton_url,
-        termination_log=None,  # the proxy's termination message is its own exit's
-    )
-    thread = threading.Thread(target=_install, args=(settings,), name=f"reinstall-{proxy.name}", daemon=True)
+    thread = threading.Thread(target=_install, args=(loader,), name=f"reinstall-{proxy.name}", daemon=True)
     thread.start()
     return thread
 

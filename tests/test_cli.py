@@ -1,0 +1,42 @@
+"""The thin CLI's own logic: what a restarted proxy's reinstall runs is what `tritonshare load` would run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tritonshare.cli import _reinstall_settings
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.lease import Holder
+from tritonshare.proxy.settings import ProxySettings
+
+
+def test_a_proxys_reinstall_takes_the_loaders_options_from_the_pods_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {
+        "TRITONSHARE_CONFIG_CHECK": "lenient",
+        "TRITONSHARE_MODE": "explicit",
+        "TRITONSHARE_CONCURRENCY": "3",
+        "TRITONSHARE_DOWNLOAD_TIMEOUT_S": "120",
+        "TRITONSHARE_REQUIRE_GPU_MEMORY_MIB": "2048",
+        "TRITONSHARE_TERMINATION_LOG": str(tmp_path / "termination-log"),
+    }.items():
+        monkeypatch.setenv(name, value)
+    layout = NodeLayout(repository=tmp_path / "models", staging=tmp_path / "staging", leases=tmp_path / "leases")
+    holder = Holder(uid="uid-1", name="pod-1", namespace="team")
+    proxy = ProxySettings(name="m", triton_url="http://10.0.0.1:8000", layout=layout, holder=holder, lease_ttl_s=90)
+
+    loader = _reinstall_settings("https://user:pw@host/m.tar.gz", proxy)
+
+    assert (loader.source, loader.name, loader.layout, loader.triton_url) == (
+        "https://user:pw@host/m.tar.gz",
+        "m",
+        layout,
+        "http://10.0.0.1:8000",
+    )
+    assert (loader.config_check, loader.mode, loader.concurrency) == ("lenient", "explicit", 3)
+    assert (loader.download_timeout_s, loader.require_gpu_memory_mib) == (120.0, 2048)
+    assert (loader.holder, loader.lease_ttl_s) == (holder, 90)
+    assert loader.termination_log is None  # the proxy's termination message is its own exit's
