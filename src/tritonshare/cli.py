@@ -143,7 +143,7 @@ def main(log_format: str, log_level: str) -> None:
     "--require-gpu-memory-mib",
     type=click.IntRange(min=0),
     default=0,
-    help="Before publishing, Triton's metrics must show this much free GPU memory (all its GPUs); 0 = no check.",
+    help="Before publishing, Triton's metrics must show this much free memory on one of its GPUs; 0 = no check.",
 )
 @option(
     "--triton-metrics-url",

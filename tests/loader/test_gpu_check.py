@@ -8,6 +8,7 @@ whose own metrics page (this machine has no GPU) serves the "no GPU memory repor
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -48,7 +49,7 @@ nv_gpu_memory_total_bytes{{gpu_uuid="GPU-a07dfe08-b87f-1f96-7083-07a26d0fa83e"}}
 nv_gpu_memory_used_bytes{{gpu_uuid="GPU-0e9fdafb-5adb-91cd-26a8-308d34357efc"}} {12 * GIB}.000000
 nv_gpu_memory_used_bytes{{gpu_uuid="GPU-a07dfe08-b87f-1f96-7083-07a26d0fa83e"}} {1 * GIB}.000000
 """
-FREE_MIB = 19456
+FREE_MIB = 15360  # on the freest GPU; 19456 MiB free on both together
 
 
 class MetricsPage:
@@ -107,17 +108,21 @@ def test_a_model_that_fits_in_free_gpu_memory_is_loaded_and_served(
     assert metrics_page.hits == 1
 
 
-def test_a_model_larger_than_free_gpu_memory_is_not_published(
-    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, metrics_page: MetricsPage
+@pytest.mark.parametrize("asked", [FREE_MIB + 1, 19456])  # 19456: free on the two GPUs together, on neither
+def test_a_model_larger_than_the_freest_gpu_is_not_published(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, metrics_page: MetricsPage, asked: int
 ) -> None:
     conf = settings(
         layout, triton, write_model(tmp_path / "m"), model_name,
-        require_gpu_memory_mib=FREE_MIB + 1, triton_metrics_url=metrics_page.url,
+        require_gpu_memory_mib=asked, triton_metrics_url=metrics_page.url,
     )  # fmt: skip
     error = expect_failure(
         InsufficientSpace,
         ExitCode.INSUFFICIENT_SPACE,
-        f"Triton's GPUs have {FREE_MIB} MiB free of 32768 MiB, the model asks for {FREE_MIB + 1} MiB",
+        re.escape(
+            f"the freest of Triton's 2 GPU(s) has {FREE_MIB} MiB free (19456 MiB free of 32768 MiB on all), "
+            f"the model asks for {asked} MiB on one GPU"
+        ),
         layout,
         conf,
     )
@@ -185,7 +190,8 @@ def test_the_cli_takes_the_requirement_from_the_environment_and_exits_15(
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == ExitCode.INSUFFICIENT_SPACE, proc.stderr
-    assert f"{FREE_MIB} MiB free of 32768 MiB, the model asks for 40000 MiB" in termination.read_text()
+    message = termination.read_text()
+    assert f"has {FREE_MIB} MiB free" in message and "asks for 40000 MiB on one GPU" in message
     assert node_entries(layout) == before
 
 

@@ -3,7 +3,8 @@
 Placement is the scheduler's job (``tritonshare.io/gpu-memory`` requests against what ``tritonshare advertise``
 put on the node); this check is the last look before Triton is asked to load: free memory is read from
 Triton's own metrics page, per GPU ``nv_gpu_memory_total_bytes - nv_gpu_memory_used_bytes`` (label
-``gpu_uuid``), summed over the GPUs Triton uses.
+``gpu_uuid``), and the model must fit on ONE of the GPUs Triton uses: a model instance lives on one GPU, so
+two GPUs with 3 GiB free each do not hold a 5 GiB model.
 
 Exit codes, and why:
 
@@ -36,11 +37,12 @@ METRICS_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class GpuMemory:
-    """GPU memory Triton reports, summed over its GPUs."""
+    """GPU memory Triton reports: totals over its GPUs, and the freest GPU's free memory."""
 
     gpus: int
     total_bytes: float
-    free_bytes: float
+    free_bytes: float  # over all GPUs
+    largest_free_bytes: float  # on the freest GPU: what one model instance can use
 
 
 def read_gpu_memory(url: str, *, timeout_s: float = METRICS_TIMEOUT_S) -> GpuMemory:
@@ -50,8 +52,13 @@ def read_gpu_memory(url: str, *, timeout_s: float = METRICS_TIMEOUT_S) -> GpuMem
     for sample in samples_named(fetch_page(url, timeout_s=timeout_s), frozenset({TOTAL, USED}), url=url):
         (totals if sample.name == TOTAL else used)[sample.labels.get("gpu_uuid", "")] = sample.value
     # A GPU whose used series is missing counts as full: the check must never promise memory it cannot see.
-    free = sum(max(0.0, total - used.get(gpu, total)) for gpu, total in totals.items())
-    return GpuMemory(gpus=len(totals), total_bytes=sum(totals.values()), free_bytes=free)
+    free = [max(0.0, total - used.get(gpu, total)) for gpu, total in totals.items()]
+    return GpuMemory(
+        gpus=len(totals),
+        total_bytes=sum(totals.values()),
+        free_bytes=sum(free),
+        largest_free_bytes=max(free, default=0),
+    )
 
 
 def metrics_url(settings: LoaderSettings) -> str:
@@ -75,17 +82,23 @@ def check_gpu_memory(settings: LoaderSettings, label: str) -> None:
             "(no GPU on this node, or Triton runs with --allow-gpu-metrics=false) — schedule it on a GPU node "
             "(tritonshare.io/gpu-memory requests), or set --require-gpu-memory-mib 0 to skip the check"
         )
-    free_mib, total_mib = memory.free_bytes / MIB, memory.total_bytes / MIB
-    if free_mib < required:
+    largest_mib, free_mib, total_mib = (
+        memory.largest_free_bytes / MIB,
+        memory.free_bytes / MIB,
+        memory.total_bytes / MIB,
+    )
+    if largest_mib < required:
         raise InsufficientSpace(
-            f"{label}: Triton's GPUs have {free_mib:.0f} MiB free of {total_mib:.0f} MiB, the model asks for "
-            f"{required} MiB — schedule it on another node (tritonshare.io/gpu-memory requests) or free GPU memory"
+            f"{label}: the freest of Triton's {memory.gpus} GPU(s) has {largest_mib:.0f} MiB free ({free_mib:.0f} MiB "
+            f"free of {total_mib:.0f} MiB on all), the model asks for {required} MiB on one GPU — schedule it on "
+            "another node (tritonshare.io/gpu-memory requests) or free GPU memory"
         )
     logger.info(
-        "%s: %d MiB of GPU memory asked, %.0f MiB free of %.0f MiB on %d GPU(s)",
+        "%s: %d MiB of GPU memory asked, %.0f MiB free on the freest of %d GPU(s) (%.0f MiB free of %.0f MiB on all)",
         label,
         required,
+        largest_mib,
+        memory.gpus,
         free_mib,
         total_mib,
-        memory.gpus,
     )
