@@ -81,6 +81,28 @@ def test_a_multipart_upload_is_verified_by_its_full_object_crc64nvme(s3_server: 
         download("s3://models/m", tmp_path)
 
 
+def test_hashers_run_for_the_objects_being_fetched_not_one_per_big_file(s3_server: MotoS3, tmp_path: Path) -> None:
+    for i in range(12):
+        s3_server.put("models", f"m/shard-{i:02}.bin", os.urandom(4 * PART))  # 12 big files of 4 parts
+    peak, done = 0, threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, len(hashers_running()))
+            done.wait(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        download("s3://models/m", tmp_path)  # 4 download threads
+    finally:
+        done.set()
+        watcher.join()
+    assert len(list(tmp_path.glob("shard-*.bin"))) == 12
+    assert 1 <= peak <= 5, peak  # the objects whose parts are in flight (4 threads), not 12
+
+
 def test_the_same_object_untouched_lands_byte_for_byte(s3_server: MotoS3, tmp_path: Path) -> None:
     s3_server.put("models", "m/big.bin", DATA)
     download("s3://models/m", tmp_path)

@@ -47,6 +47,7 @@ def landed_split(folder: Path, name: str, slots: threading.Semaphore, *, md5: st
     checksum = Checksum(algorithm="md5", value=md5 or hashlib.md5(data).hexdigest())
     obj = RemoteObject(key=f"m/{name}", relpath=name, size=len(data), checksum=checksum)
     split = Split(obj, folder / name, PART, checksum, slots)
+    split.begin()  # as the engine does when it starts fetching the first part
     for index in reversed(range(len(split.parts))):
         split.landed(index, split.parts[index].length)
         split.complete(index)
@@ -78,6 +79,7 @@ def test_a_hasher_waiting_for_bytes_that_never_come_stops_when_closed(tmp_path: 
     (tmp_path / "w.bin").write_bytes(bytes(4 * PART))
     obj = RemoteObject(key="m/w.bin", relpath="w.bin", size=4 * PART, checksum=Checksum(algorithm="md5", value="0"))
     split = Split(obj, tmp_path / "w.bin", PART, obj.checksum, hashing_slots())
+    split.begin()
     split.landed(0, PART // 2)  # half of the first part, then the download is cancelled
     split.close()
     assert not [thread for thread in threading.enumerate() if thread.name == "tritonshare-hash"]

@@ -284,6 +284,7 @@ class _Transfer:
             self.objects_done += 1
 
     def _part(self, split: Split, index: int) -> None:
+        split.begin()
         attempt = partial(self._attempt_part, split, index)
         self._settled(lambda: with_retries(attempt, self.options, self._pause, self.rand))
         if not split.complete(index):

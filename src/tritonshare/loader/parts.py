@@ -49,8 +49,9 @@ def hashing_slots() -> threading.Semaphore:
 class Split:
     """The parts of one object, how far each has landed, and the hasher following the frontier.
 
-    Its hasher thread starts with it; :meth:`close` stops and joins it, and must be called however the
-    download ends.
+    Its hasher thread starts with the first part fetched (:meth:`begin`), so a model of hundreds of big files
+    runs hashers only for the objects being fetched, not one per file; :meth:`close` stops and joins it, and
+    must be called however the download ends.
     """
 
     def __init__(
@@ -80,8 +81,15 @@ class Split:
         self._state = threading.Condition()
         self._thread = threading.Thread(target=self._follow, name="tritonshare-hash", daemon=True)
         self._verifying = checksum is not None or ask is not None
-        if self._verifying:
-            self._thread.start()
+        self._begun = False  # the hasher thread was started (guarded by _state)
+
+    def begin(self) -> None:
+        """Start the hasher thread, once, when a first part is about to be fetched."""
+        with self._state:
+            if self._begun or not self._verifying:
+                return
+            self._begun = True
+        self._thread.start()
 
     def remaining(self, index: int) -> Part | None:
         """What part ``index`` still needs: all of it, or the rest after a failed attempt; None when done."""
@@ -110,6 +118,7 @@ class Split:
         mismatch). Raises TritonshareError when the hasher was stopped (the download is being cancelled)."""
         if not self._verifying:
             return
+        self.begin()  # (already begun when the engine fetched the parts)
         self._thread.join()
         if self._failure is not None:
             raise self._failure
