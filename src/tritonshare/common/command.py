@@ -1,13 +1,20 @@
 """What every ``tritonshare`` subcommand shares: options that are also ``TRITONSHARE_<OPTION>`` variables,
-and the mapping of the error tree to exit codes and a termination message. Used by :mod:`tritonshare.cli`
-and by the node agents' commands (which the layer contract keeps from importing the CLI)."""
+and how a command ends (:func:`run_command`): the error tree mapped to exit codes and a termination
+message, SIGTERM and SIGINT turned into an exception so the command cleans up before it exits, and any
+other exception reported as the bug it is. Used by :mod:`tritonshare.cli` and by the node agents'
+commands (which the layer contract keeps from importing the CLI)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
 import click
@@ -68,14 +75,155 @@ termination_log_option = option(
 )
 
 
-def run_command(action: Callable[[], int | None], *, termination_log: Path | None = None) -> None:
-    """Run a command body, mapping the error tree to exit codes and a termination message."""
+# The signals that stop a command, and the exit code each ends it with (128 + N, as a shell reports it).
+STOP_SIGNALS: dict[signal.Signals, ExitCode] = {
+    signal.SIGTERM: ExitCode.TERMINATED,
+    signal.SIGINT: ExitCode.INTERRUPTED,
+}
+
+_Handler = Callable[[int, FrameType | None], Any] | int | None  # what signal.signal takes and returns
+
+
+class Stopped(BaseException):
+    """A stop signal, raised in the main thread by :func:`run_command`'s handler so that every ``finally``
+    and ``with`` on the way out runs (the loader discards its staging folder, drops its lease, cancels and
+    joins its download threads). A BaseException, like KeyboardInterrupt, so no ``except Exception``
+    mistakes it for a failure to retry or report."""
+
+    def __init__(self, signum: int, activity: str = "") -> None:
+        self.signal = signal.Signals(signum)
+        self.activity = activity  # what the command was doing when the signal came, if it said (doing())
+        super().__init__(f"stopped by {self.signal.name}" + (f" while {activity}" if activity else ""))
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return STOP_SIGNALS[self.signal]
+
+
+_activities: list[str] = []  # what the command is doing, innermost last (main thread only)
+
+
+@contextmanager
+def doing(activity: str) -> Iterator[None]:
+    """Name what the command is doing for the message a stop signal leaves: ``with doing("downloading"):``
+    → "stopped by SIGTERM while downloading"."""
+    _activities.append(activity)
     try:
-        code = action()
+        yield
+    finally:
+        _activities.pop()
+
+
+def run_command(
+    action: Callable[[], int | None], *, termination_log: Path | None = None, stop_on_signals: bool = True
+) -> None:
+    """Run a command body and exit: with its code; with the error tree's code and a termination message;
+    on SIGTERM or SIGINT, once the body has cleaned up, with 143 or 130 and a message saying so; on any
+    other exception, with 1, its traceback logged and a message asking for a report.
+
+    ``stop_on_signals=False`` leaves SIGTERM and SIGINT as they are, for a command that handles them itself
+    (the proxy drains its requests first)."""
+    with _stop_signals(stop_on_signals):
+        code = _ended(action, termination_log)
+    sys.exit(int(code))
+
+
+def _ended(action: Callable[[], int | None], termination_log: Path | None) -> int:
+    """The exit code of ``action``, its failure or stop reported."""
+    try:
+        try:
+            return int(action() or ExitCode.OK)
+        finally:
+            _ignore_stop_signals()  # the body has ended: a signal now must not interrupt the report
     except TritonshareError as exc:
-        logger.error("%s", exc)
-        write_termination_message(str(exc), termination_log)
-        sys.exit(int(exc.exit_code))
-    except KeyboardInterrupt:
-        sys.exit(130)
-    sys.exit(int(code or ExitCode.OK))
+        return _report(str(exc), exc.exit_code, termination_log)
+    except Stopped as stop:
+        logger.warning("%s: cleaned up, exiting with %d", stop, stop.exit_code)
+        return _report(_stop_message(stop), stop.exit_code, termination_log, logged=True)
+    except KeyboardInterrupt:  # SIGINT in a command that handles signals itself (stop_on_signals=False)
+        return ExitCode.INTERRUPTED
+    except Exception as exc:  # a bug, or a failure nobody translated into the error tree
+        logger.exception("unexpected error")
+        message = f"unexpected error: {type(exc).__name__}: {exc} — a bug in tritonshare; please report it"
+        return _report(message, ExitCode.UNEXPECTED, termination_log, logged=True)
+
+
+def _report(message: str, code: ExitCode, termination_log: Path | None, *, logged: bool = False) -> int:
+    if not logged:
+        logger.error("%s", message)
+    write_termination_message(message, termination_log)
+    return int(code)
+
+
+def _stop_message(stop: Stopped) -> str:
+    context = click.get_current_context(silent=True)
+    command = ""
+    if context is not None:
+        name = context.params.get("name")
+        command = f" (`{context.command_path}{f' --name {name}' if name else ''}`)"
+    return f"{stop}{command}"
+
+
+# ---- signal handlers ----------------------------------------------------------------------------------
+
+_previous: dict[signal.Signals, _Handler] = {}  # the handlers run_command replaced, restored when it ends
+
+
+@contextmanager
+def _stop_signals(enabled: bool) -> Iterator[None]:
+    """While the body runs, SIGTERM and SIGINT raise :class:`Stopped` in the main thread; afterwards the
+    handlers are what they were (a command run in-process, as tests do, leaves no trace)."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in STOP_SIGNALS}
+    _previous.update(previous)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _previous.clear()
+
+
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    if _event_loop_running():
+        _default(signum, frame)
+        return
+    _ignore_stop_signals()  # a second signal must not cut the clean-up short
+    raise Stopped(signum, _activities[-1] if _activities else "")
+
+
+def _ignore_stop_signals() -> None:
+    if _previous:  # only while run_command's handlers are installed
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _already_stopping)
+
+
+def _already_stopping(signum: int, _frame: FrameType | None) -> None:
+    logger.warning(
+        "received %s while ending: cleaning up first, then exiting (SIGKILL stops at once, leaving what the "
+        "command staged for `tritonshare gc`)",
+        signal.Signals(signum).name,
+    )
+
+
+def _event_loop_running() -> bool:
+    """Whether an asyncio (or uvloop) event loop runs in this thread. An exception raised from a signal
+    handler inside one does not unwind the command: uvloop logs and swallows it, asyncio tears the loop
+    down mid-callback. A command running a loop installs its own handlers (``loop.add_signal_handler``),
+    which replace these; until it has, the signal gets the handling it had before run_command."""
+    asyncio = sys.modules.get("asyncio")  # not imported: no loop can be running
+    return asyncio is not None and asyncio._get_running_loop() is not None
+
+
+def _default(signum: int, frame: FrameType | None) -> None:
+    """What the signal did before run_command: the previous handler, or the default action (for SIGTERM,
+    the end of the process, by the signal)."""
+    sig = signal.Signals(signum)
+    previous = _previous.get(sig, signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)

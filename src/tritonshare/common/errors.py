@@ -16,6 +16,10 @@
     ├── InsufficientSpace                  exit 15  not enough free disk for the download
     └── TritonUnavailable                  exit 16  Triton's API cannot be reached (proxy, unload)
 
+    (stopped by a signal, not an error)   exit 128+N, as a shell reports it: 130 SIGINT, 143 SIGTERM
+                                                    (common/command.py turns the signal into an exception so
+                                                    clean-up runs, then exits with this code)
+
 Third-party exceptions are translated into these once, at the boundary where they are raised
 (``raise SourceAccessDenied(msg) from exc``). Messages say what failed, on which object, and what to do.
 """
@@ -38,6 +42,8 @@ class ExitCode(IntEnum):
     INSTALL_CONFLICT = 14
     INSUFFICIENT_SPACE = 15
     TRITON_UNAVAILABLE = 16
+    INTERRUPTED = 130  # SIGINT (128 + 2)
+    TERMINATED = 143  # SIGTERM (128 + 15): the pod was deleted while the command ran
 
 
 class TritonshareError(Exception):
