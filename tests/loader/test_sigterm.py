@@ -1,0 +1,179 @@
+"""``tritonshare load`` stopped by SIGTERM mid-download, as when its pod is deleted while the init container
+fetches the model: the console script in a subprocess, a real HTTP server sending the archive slowly, the
+real Triton. The loader must clean up before it exits — nothing left in staging to fail the next loader's
+free-space check, no lease for its pod — exit 143 and say why in its termination message."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.models import write_model
+from tests.support.storage import Fault, HttpFileServer, make_tar, make_zip
+from tests.support.triton import REPO_ROOT, TritonServer
+from tritonshare.common.errors import ExitCode
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.lease import Holder, LeaseStore
+from tritonshare.common.triton import TritonClient
+
+pytestmark = [pytest.mark.triton, pytest.mark.storage]
+
+TRITONSHARE = REPO_ROOT / ".venv" / "bin" / "tritonshare"
+MIB = 1 << 20
+WEIGHTS_BYTES = 24 * MIB  # random, so neither archive compresses it: ranged parts for the zip, 24 s of tar
+CRAWL_BYTES_PER_S = 1 * MIB  # per response
+
+
+@dataclass
+class CrawlingHttpServer(HttpFileServer):
+    """The test HTTP file server, sending each body at ``bytes_per_s`` (0: at full speed), counting what it sent."""
+
+    bytes_per_s: int = CRAWL_BYTES_PER_S
+    sent: int = 0
+
+    async def _send_body(self, response: Any, data: bytes, fault: Fault | None) -> None:  # type: ignore[override]
+        if not self.bytes_per_s or fault is not None:
+            await HttpFileServer._send_body(response, data, fault)
+            return
+        step = max(1, self.bytes_per_s // 20)
+        for start in range(0, len(data), step):
+            await response.write(data[start : start + step])
+            self.sent += len(data[start : start + step])
+            await asyncio.sleep(0.05)
+        await response.write_eof()
+
+
+@pytest.fixture
+def crawling_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CrawlingHttpServer]:
+    server = CrawlingHttpServer(tmp_path_factory.mktemp("http-root"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@dataclass(frozen=True)
+class Loader:
+    """One ``tritonshare load`` of a model as one pod."""
+
+    layout: NodeLayout
+    triton_url: str
+    source: str
+    name: str
+    pod_uid: str
+    folder: Path
+
+    @property
+    def termination_log(self) -> Path:
+        return self.folder / f"termination-{self.pod_uid}"
+
+    @property
+    def stderr(self) -> Path:
+        return self.folder / f"stderr-{self.pod_uid}"
+
+    def start(self, *extra: str) -> subprocess.Popen[bytes]:
+        layout = self.layout
+        cmd = [
+            str(TRITONSHARE), "load", self.source, "--name", self.name, "--repository", str(layout.repository),
+            "--staging", str(layout.staging), "--leases", str(layout.leases), "--pod-uid", self.pod_uid,
+            "--triton-url", self.triton_url, "--termination-log", str(self.termination_log), "--timeout-s", "60",
+            *extra,
+        ]  # fmt: skip
+        with open(self.stderr, "wb") as err:
+            return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+
+    def holds_lease(self) -> bool:
+        return LeaseStore(self.layout.leases).owned_by(self.name, Holder(uid=self.pod_uid))
+
+
+def staged(layout: NodeLayout, name: str) -> list[str]:
+    """The staging entries a loader of ``name`` made (``NAME.download.<id>``)."""
+    return sorted(entry for entry in os.listdir(layout.staging) if entry.startswith(f"{name}."))
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def big_model(folder: Path, packing: str) -> Path:
+    model = write_model(folder / "identity")
+    (model / "1" / "weights.bin").write_bytes(os.urandom(WEIGHTS_BYTES))
+    if packing == "zip":  # lands whole (ranged parts from the download threads, hashed as they land), then unpacks
+        return make_zip(model, folder / "identity.zip", arcname="identity")
+    return make_tar(model, folder / "identity.tar", compression="", arcname="identity")  # unpacked as it arrives
+
+
+def stop_with_sigterm(proc: subprocess.Popen[bytes], server: CrawlingHttpServer) -> float:
+    """SIGTERM once the download is under way; the seconds the loader took to exit."""
+    wait_for(lambda: server.sent >= 2 * MIB or proc.poll() is not None, "the download to start")
+    assert proc.poll() is None, "the loader ended before it was stopped"
+    proc.send_signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    proc.wait(timeout=60)
+    return time.monotonic() - stopped
+
+
+@pytest.mark.parametrize("packing", ["zip", "tar"])
+def test_sigterm_mid_download_cleans_up_exits_143_and_the_next_load_succeeds(
+    packing: str,
+    crawling_server: CrawlingHttpServer,
+    layout: NodeLayout,
+    triton: TritonServer,
+    model_name: str,
+    tmp_path: Path,
+    cleanup: list[str],
+) -> None:
+    source = crawling_server.serve(big_model(tmp_path, packing))
+    first = Loader(layout, triton.url, source, model_name, f"pod-{uuid.uuid4().hex[:8]}", tmp_path)
+    proc = first.start()
+    took = stop_with_sigterm(proc, crawling_server)
+
+    log = first.stderr.read_text()
+    assert proc.returncode == 143, log  # ExitCode.TERMINATED: 128 + SIGTERM, what a shell shows for a kill
+    message = first.termination_log.read_text()
+    assert message.startswith("stopped by SIGTERM") and f"`tritonshare load --name {model_name}`" in message
+    assert took < 10, f"clean-up took {took:.1f} s: the kubelet's grace period is 30 s by default"
+    assert staged(layout, model_name) == []  # the partial download is gone
+    assert not layout.model_dir(model_name).exists()
+    assert not first.holds_lease()
+    assert "Traceback" not in log
+
+    crawling_server.bytes_per_s = 0  # the next pod's loader, right away, at full speed
+    second = Loader(layout, triton.url, source, model_name, f"pod-{uuid.uuid4().hex[:8]}", tmp_path)
+    cleanup.append(model_name)
+    assert second.start().wait(timeout=90) == ExitCode.OK, second.stderr.read_text()
+    assert TritonClient(triton.url).model_ready(model_name)
+    assert second.holds_lease()
+    assert staged(layout, model_name) == []
+
+
+def test_sigterm_while_download_threads_wait_on_a_stalled_store_still_cleans_up(
+    crawling_server: CrawlingHttpServer, layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    """The download threads notice the stop only when their read returns: at the latest after
+    --stall-timeout-s, which must therefore stay under the pod's grace period for the clean-up to finish."""
+    source = crawling_server.serve(big_model(tmp_path, "zip"))
+    crawling_server.fail("/identity.zip", Fault(stall_after_bytes=MIB))  # every ranged GET hangs after 1 MiB
+    loader = Loader(layout, triton.url, source, model_name, f"pod-{uuid.uuid4().hex[:8]}", tmp_path)
+    proc = loader.start("--stall-timeout-s", "3")
+    wait_for(lambda: ("GET", "/identity.zip") in crawling_server.requests, "the download to start")
+    time.sleep(0.5)  # the threads are now blocked reading
+    proc.send_signal(signal.SIGTERM)
+    stopped = time.monotonic()
+    assert proc.wait(timeout=60) == 143, loader.stderr.read_text()
+    assert time.monotonic() - stopped < 3 + 5
+    assert loader.termination_log.read_text().startswith("stopped by SIGTERM")
+    assert staged(layout, model_name) == []
+    assert not loader.holds_lease()
