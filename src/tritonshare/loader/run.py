@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from tritonshare.common.command import doing
 from tritonshare.common.errors import ExitCode, InsufficientSpace, ReadinessTimeout, TritonLoadFailed
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import Heartbeat, LeaseStore
@@ -57,6 +58,20 @@ def disk_free(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
+# what the loader is doing in each phase, for the message a stop signal leaves ("stopped by SIGTERM while …")
+_DOING = {
+    "triton": "waiting for Triton to answer",
+    "list": "listing the source",
+    "space": "checking free space",
+    "download": "downloading",
+    "unpack": "unpacking",
+    "check": "checking the model",
+    "gpu": "checking GPU memory",
+    "publish": "publishing",
+    "load": "waiting for Triton to load the model",
+}
+
+
 class Timings:
     """Durations of the phases of one load, logged as each ends and together at the end. A phase may carry a
     note on how it ran; its name stays one word, which log readers match (``phase (\\w+) took``)."""
@@ -71,7 +86,8 @@ class Timings:
         if note:
             self.notes[name] = f" ({note})"
         try:
-            yield
+            with doing(_DOING.get(name, name)):  # what a stop signal's termination message says
+                yield
         finally:
             self.seconds[name] = time.monotonic() - started
             logger.info("phase %s took %.2f s%s", name, self.seconds[name], self.notes.get(name, ""))
