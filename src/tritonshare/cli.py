@@ -157,7 +157,7 @@ def load(**params: Any) -> None:
     Exit codes: 0 ready; 2 usage; 10 permanent source error; 11 transient source failure; 12 Triton
     failed to load the model; 13 readiness deadline; 14 NAME installed from a different source;
     15 not enough disk space, or GPU memory (--require-gpu-memory-mib); 16 Triton's metrics unreadable
-    (GPU memory check).
+    (GPU memory check); 143 (130) stopped by SIGTERM (SIGINT), after cleaning up: nothing staged, no lease.
     """
     from tritonshare.loader.run import run
 
@@ -361,7 +361,7 @@ def proxy(
         from tritonshare.pod import reinstall_if_missing
 
         reinstall_if_missing(_reinstall_settings(source, settings), settings)
-    run_command(lambda: run(settings))
+    run_command(lambda: run(settings), stop_on_signals=False)  # the proxy drains on SIGTERM itself
 
 
 def _reinstall_settings(source: str, proxy: ProxySettings) -> LoaderSettings:
