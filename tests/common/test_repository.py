@@ -1,12 +1,17 @@
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tritonshare.common.errors import InstallConflict
+from tritonshare.common.errors import ExitCode, InstallConflict, InsufficientSpace, UsageError
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.repository import (
+    RECORD_FILE,
     InstallRecord,
     new_staging_dir,
     publish,
@@ -14,6 +19,8 @@ from tritonshare.common.repository import (
     retire,
     write_record,
 )
+
+RECORD = InstallRecord(name="m", source="s3://b/m/", digest="abc", installed_at=1.0)
 
 
 @pytest.fixture
@@ -62,3 +69,84 @@ def test_record_round_trip_and_garbage(node: NodeLayout) -> None:
     assert record.same_content(InstallRecord(name="m", source="s3://b/m/", digest="abc", installed_at=2.0))
     (folder / "tritonshare.json").write_text("{not json")
     assert read_record(folder) is None
+
+
+def test_a_record_is_readable_by_other_users_whatever_the_umask(node: NodeLayout) -> None:
+    """The gc and the proxy read records, maybe as another user than the loader."""
+    folder = node.repository / "m"
+    folder.mkdir()
+    old = os.umask(0o077)
+    try:
+        write_record(folder, RECORD)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((folder / RECORD_FILE).stat().st_mode) == 0o644
+    assert [p.name for p in folder.iterdir()] == [RECORD_FILE]  # no temporary file left
+
+
+def mount(*args: str) -> None:
+    out = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount here (needs root): {out.stderr.strip()}")
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A folder on a 1 MiB tmpfs with nothing free but what ``folder`` already holds."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk))
+    try:
+        (disk / "m").mkdir()
+        write_record(disk / "m", RECORD)
+        with pytest.raises(OSError, match="No space left"), open(disk / "filler", "wb", buffering=0) as out:
+            while True:
+                out.write(bytes(64 << 10))
+        yield disk / "m"
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_record_written_on_a_full_disk_is_insufficient_space_and_the_old_one_stays_whole(full_disk: Path) -> None:
+    with pytest.raises(InsufficientSpace, match=r"tritonshare.json: the filesystem is full — free space on the node"):
+        write_record(full_disk, InstallRecord(name="m", source="s3://b/other/", digest="def"))
+    assert read_record(full_disk) == RECORD
+    assert [p.name for p in full_disk.iterdir()] == [RECORD_FILE]
+
+
+@pytest.fixture
+def two_mounts(tmp_path: Path) -> Iterator[NodeLayout]:
+    """models/ and staging/ as two bind mounts of one filesystem (two hostPath or subPath volumes): the same
+    st_dev, so the layout check passes, but rename(2) does not cross mounts."""
+    host, mounted = tmp_path / "host", tmp_path / "mnt"
+    for sub in ("models", "staging"):
+        (host / sub).mkdir(parents=True)
+        (mounted / sub).mkdir(parents=True)
+    mount("--bind", str(host / "models"), str(mounted / "models"))
+    try:
+        mount("--bind", str(host / "staging"), str(mounted / "staging"))
+        try:
+            yield NodeLayout(repository=mounted / "models", staging=mounted / "staging", leases=host / "leases")
+        finally:
+            subprocess.run(["umount", str(mounted / "staging")], check=True)
+    finally:
+        subprocess.run(["umount", str(mounted / "models")], check=True)
+
+
+def test_publishing_across_two_mounts_of_one_filesystem_is_a_usage_error(two_mounts: NodeLayout) -> None:
+    two_mounts.check()
+    staged = new_staging_dir(two_mounts, "m")
+    (staged / "1").mkdir()
+    with pytest.raises(UsageError, match=r"are separate mounts .* mount one volume holding both folders") as info:
+        publish(two_mounts, staged, "m")
+    assert info.value.exit_code == ExitCode.USAGE
+    assert f"staging {two_mounts.staging} and the repository {two_mounts.repository}" in str(info.value)
+    assert (staged / "1").is_dir()  # nothing moved: the caller discards it
+    assert list(two_mounts.repository.iterdir()) == []
+
+
+def test_retiring_across_two_mounts_is_the_same_usage_error(two_mounts: NodeLayout) -> None:
+    (two_mounts.repository / "m" / "1").mkdir(parents=True)
+    with pytest.raises(UsageError, match=r"are separate mounts"):
+        retire(two_mounts, "m")
+    assert (two_mounts.repository / "m" / "1").is_dir()
