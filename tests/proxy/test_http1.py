@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tritonshare.proxy.http1 import (
+    MAX_FIELD_BYTES,
     ChunkedReader,
     HttpError,
     ResponseReader,
@@ -78,6 +79,28 @@ def test_ambiguous_or_malformed_heads_are_refused(lines: list[str], status: int,
         parse_request_head(_head(*lines))
     assert caught.value.status == status
     assert words in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("line", "refused"),
+    [
+        ("X-Big:   " + "a" * MAX_FIELD_BYTES, False),  # the blanks before a value do not count, as in Triton
+        ("X-Big: " + "a" * (MAX_FIELD_BYTES + 1), True),
+        ("X-Big: " + "a" * (MAX_FIELD_BYTES - 1) + " ", False),  # trailing ones do
+        ("X-Big: " + "a" * MAX_FIELD_BYTES + " ", True),
+        ("X" * MAX_FIELD_BYTES + ": a", False),
+        ("X" * (MAX_FIELD_BYTES + 1) + ": a", True),
+    ],
+)
+def test_a_header_name_or_value_longer_than_tritons_limit_is_431(line: str, refused: bool) -> None:
+    head = _head("GET /v2 HTTP/1.1", "Host: x", line)
+    if not refused:
+        assert parse_request_head(head).fields.endswith(line.encode() + b"\r\n")
+        return
+    with pytest.raises(HttpError) as caught:
+        parse_request_head(head)
+    assert caught.value.status == 431 and caught.value.reason == "too_large"
+    assert caught.value.message.endswith(f"its name or value is longer than {MAX_FIELD_BYTES} bytes (Triton's limit)")
 
 
 def test_chunked_http11_request() -> None:
