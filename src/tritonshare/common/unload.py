@@ -2,26 +2,94 @@
 ``tritonshare unload`` does it standalone (preStop hook, operator).
 
 Order matters (REFERENCE §2):
-1. wait (bounded) while Triton's index says LOADING — removing a folder mid-load hangs that load and,
-   with it, POLL for every tenant;
+
+1. wait (bounded) until Triton *answers* that its index does not say LOADING for NAME — removing a folder
+   mid-load hangs that load and, with it, POLL for every tenant. No answer is not "nothing is loading":
+   Triton loads every model of its repository before it opens its HTTP port, so a Triton that does not
+   answer may be loading this very folder (:func:`wait_quiet`). If the deadline passes first, this pod's
+   lease is dropped and the folder stays; ``tritonshare gc``, which removes nothing while Triton does not
+   answer, takes it once Triton is quiet and no lease on NAME is fresh;
 2. drop this pod's lease and, only if no other pod's lease on NAME is fresh (two pods of one model share
    one install), rename the folder out of the repository, then delete it (:mod:`tritonshare.common.lease`);
    without a pod identity (an operator at a shell) the folder goes regardless of leases;
-3. wait (bounded) until Triton no longer reports the model ready.
+3. ask Triton to unload NAME (:func:`request_unload`): in explicit mode Triton serves a model whose folder
+   is gone until it is told to unload it; POLL mode refuses the call, and there the removal was the unload;
+4. wait (bounded) until Triton no longer reports the model ready.
+
+What a command exits with (:attr:`UnloadResult.exit_code`): 0 when the model is gone or stays for another
+pod; 13 when Triton kept it LOADING past the deadline; 16 when Triton did not answer — in both the folder is
+left for gc, and this pod's lease is already dropped.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass
 
-from tritonshare.common.errors import TritonUnavailable
+from tritonshare.common.errors import ExitCode, TritonUnavailable
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import DEFAULT_TTL_S, Holder, LeaseStore, Release
 from tritonshare.common.repository import retire, wait_until
 from tritonshare.common.triton import TritonClient
 
 logger = logging.getLogger(__name__)
+
+# What Triton 2.51 answers (503) to POST /v2/repository/models/NAME/unload in POLL mode (checked here).
+POLL_REFUSAL = "explicit model load / unload is not allowed if polling is enabled"
+
+
+class Activity(enum.Enum):
+    """What Triton says it is doing with NAME, as far as removing NAME's folder goes."""
+
+    QUIET = "quiet"  # Triton answered, and its index does not say LOADING: the folder may go
+    LOADING = "loading"  # the index says LOADING: removing the folder now would hang the load
+    UNANSWERED = "unanswered"  # no answer, or an error: Triton may be starting up, loading this very folder
+
+
+def activity(client: TritonClient, name: str) -> Activity:
+    try:
+        states = client.model_states(name)
+    except TritonUnavailable:
+        return Activity.UNANSWERED
+    return Activity.LOADING if any(s.state == "LOADING" for s in states) else Activity.QUIET
+
+
+def wait_quiet(client: TritonClient, name: str, *, timeout_s: float, interval_s: float) -> Activity:
+    """Look until Triton answers that NAME is not LOADING, or the deadline passes; returns the last look."""
+    last = [Activity.UNANSWERED]
+
+    def quiet() -> bool:
+        last[0] = activity(client, name)
+        return last[0] is Activity.QUIET
+
+    wait_until(quiet, timeout_s=timeout_s, interval_s=interval_s)
+    return last[0]
+
+
+def request_unload(client: TritonClient, name: str) -> bool:
+    """Ask Triton to unload NAME once its folder is gone; True if Triton accepted or the call is moot.
+
+    Explicit mode (``--model-control-mode=explicit``) keeps serving a model — and its GPU memory — whose
+    folder was removed, until asked: Triton 2.51 answers 200 at once and unloads in the background. POLL
+    mode refuses the call with :data:`POLL_REFUSAL`, which is fine: there, removing the folder unloads."""
+    try:
+        reply = client.unload(name)
+    except TritonUnavailable as exc:
+        logger.warning("could not ask Triton to unload %s: %s", name, exc)
+        return False
+    if reply.status == 200:
+        logger.info("asked Triton to unload %s", name)
+        return True
+    if POLL_REFUSAL in reply.error_text():
+        return True  # POLL mode: the removed folder is the unload
+    logger.warning(
+        "Triton refused to unload %s (%d: %s) — it may keep serving it until it restarts",
+        name,
+        reply.status,
+        reply.error_text(),
+    )
+    return False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,29 +106,29 @@ class UnloadSettings:
 @dataclass(frozen=True, kw_only=True)
 class UnloadResult:
     removed: bool
-    unloaded: bool  # Triton no longer reports the model ready (or could not be asked)
+    unloaded: bool  # Triton no longer reports the model ready (or could not be asked after the removal)
     kept: bool = False  # not this pod's to remove: another pod's lease is fresh, or this pod holds none
+    left: Activity | None = None  # the folder stayed because Triton was LOADING it, or did not answer
 
     @property
     def done(self) -> bool:
         return self.unloaded or self.kept
+
+    @property
+    def exit_code(self) -> ExitCode:
+        if self.left is Activity.UNANSWERED:
+            return ExitCode.TRITON_UNAVAILABLE
+        return ExitCode.OK if self.done else ExitCode.READINESS_TIMEOUT
 
 
 def unload_model(settings: UnloadSettings, *, client: TritonClient | None = None) -> UnloadResult:
     client = client or TritonClient(settings.triton_url)
     name = settings.name
     leases = LeaseStore(settings.layout.leases, ttl_s=settings.lease_ttl_s)
-    if not _wait_quiet(client, name, settings):
-        if settings.holder is not None:
-            leases.forget(name, settings.holder)  # gc removes it once Triton is done, if no one else holds it
-        logger.warning(
-            "%s is still LOADING after %.0fs; removing it anyway would hang Triton's polling, so it stays "
-            "— run unload again later, or let gc remove it",
-            name,
-            settings.timeout_s,
-        )
-        return UnloadResult(removed=False, unloaded=False)
-    verdict, removed = _release(settings, leases)
+    seen = wait_quiet(client, name, timeout_s=settings.timeout_s, interval_s=settings.poll_interval_s)
+    if seen is not Activity.QUIET:
+        return _leave(settings, leases, seen)
+    verdict, removed = _release(settings, leases, client)
     if verdict is not Release.LAST:
         return UnloadResult(removed=False, unloaded=False, kept=True)
     if not removed:
@@ -69,12 +137,37 @@ def unload_model(settings: UnloadSettings, *, client: TritonClient | None = None
     return UnloadResult(removed=removed, unloaded=unloaded)
 
 
-def _release(settings: UnloadSettings, leases: LeaseStore) -> tuple[Release, bool]:
-    """Drop this pod's lease; take the folder out if it was the last fresh one (or with no pod identity)."""
+def _leave(settings: UnloadSettings, leases: LeaseStore, seen: Activity) -> UnloadResult:
+    """Drop this pod's lease and leave the folder: gc removes it once Triton is quiet, if no one holds it."""
+    name = settings.name
+    if settings.holder is not None:
+        leases.forget(name, settings.holder)
+    if seen is Activity.LOADING:
+        why = "Triton is still LOADING it, and removing it now would hang Triton's polling for every model"
+    else:
+        why = (
+            f"Triton at {settings.triton_url} does not answer, and a Triton that is starting up loads every model "
+            "of its repository before it answers, so removing the folder now could hang its start-up"
+        )
+    logger.warning(
+        "%s stays in the repository: %s (waited %.0fs)%s — gc removes it once Triton answers and no pod holds a "
+        "lease on it, or run unload again later",
+        settings.layout.model_dir(name),
+        why,
+        settings.timeout_s,
+        "; this pod's lease on it is dropped" if settings.holder is not None else "",
+    )
+    return UnloadResult(removed=False, unloaded=False, left=seen)
+
+
+def _release(settings: UnloadSettings, leases: LeaseStore, client: TritonClient) -> tuple[Release, bool]:
+    """Drop this pod's lease; take the folder out, and ask Triton to unload it, if it was the last fresh lease
+    (or with no pod identity). Under NAME's lock, so a loader cannot publish NAME again in between."""
     name, holder, removed = settings.name, settings.holder, [False]
 
     def remove() -> None:
         removed[0] = retire(settings.layout, name)
+        request_unload(client, name)
 
     if holder is None:
         with leases.lock(name):
@@ -89,22 +182,12 @@ def _release(settings: UnloadSettings, leases: LeaseStore) -> tuple[Release, boo
     return verdict, removed[0]
 
 
-def _wait_quiet(client: TritonClient, name: str, settings: UnloadSettings) -> bool:
-    def not_loading() -> bool:
-        try:
-            return all(s.state != "LOADING" for s in client.model_states(name))
-        except TritonUnavailable:
-            return True  # Triton is away: nothing is loading, and the folder must still go
-
-    return wait_until(not_loading, timeout_s=settings.timeout_s, interval_s=settings.poll_interval_s)
-
-
 def _wait_unloaded(client: TritonClient, name: str, settings: UnloadSettings) -> bool:
     def gone() -> bool:
         try:
             return not client.model_ready(name)
         except TritonUnavailable:
-            return True
+            return True  # the folder is gone: a Triton that comes back will not load it
 
     ok = wait_until(gone, timeout_s=settings.timeout_s, interval_s=settings.poll_interval_s)
     if ok:

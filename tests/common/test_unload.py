@@ -1,0 +1,146 @@
+"""unload_model's two hazards against real Tritons: a Triton that does not answer may be starting up and
+loading the very folder (so it stays), and a Triton in explicit mode keeps serving a model whose folder is
+gone until it is told to unload it (so it is told; POLL mode's refusal of that call is fine)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.install import install_model, model_ready, wait_model_ready
+from tests.support.models import IDENTITY_MODEL, write_model
+from tests.support.ports import free_port
+from tests.support.triton import TritonServer
+from tritonshare.common.errors import ExitCode
+from tritonshare.common.layout import NodeLayout
+from tritonshare.common.lease import Holder, LeaseStore
+from tritonshare.common.triton import TritonClient
+from tritonshare.common.unload import POLL_REFUSAL, UnloadSettings, request_unload, unload_model
+
+POD_A, POD_B = Holder(uid="unload-pod-a"), Holder(uid="unload-pod-b")
+
+# initialize() takes long enough that Triton's start-up (HTTP port still closed) outlasts an unload's wait.
+SLOW_START_MODEL = "import time\n\n\n" + IDENTITY_MODEL.replace(
+    "class TritonPythonModel:\n", "class TritonPythonModel:\n    def initialize(self, args):\n        time.sleep(6)\n\n"
+)
+
+
+def node(root: Path) -> NodeLayout:
+    layout = NodeLayout(repository=root / "models", staging=root / "staging", leases=root / "leases")
+    layout.repository.mkdir(parents=True)
+    layout.staging.mkdir()
+    return layout
+
+
+def publish(layout: NodeLayout, name: str, **kwargs: str) -> Path:
+    staged = write_model(layout.staging / f"{name}.test", **kwargs)  # type: ignore[arg-type]
+    return staged.rename(layout.model_dir(name))
+
+
+def unload_settings(layout: NodeLayout, url: str, name: str, holder: Holder | None, timeout_s: float) -> UnloadSettings:
+    return UnloadSettings(
+        name=name, layout=layout, holder=holder, triton_url=url, timeout_s=timeout_s, poll_interval_s=0.1
+    )
+
+
+def test_unload_leaves_the_folder_and_drops_the_lease_while_triton_does_not_answer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    layout = node(tmp_path)
+    folder = publish(layout, "m")
+    leases = LeaseStore(layout.leases)
+    leases.acquire("m", POD_A)
+    down = f"http://127.0.0.1:{free_port()}"
+    with caplog.at_level(logging.WARNING, logger="tritonshare.common.unload"):
+        result = unload_model(unload_settings(layout, down, "m", POD_A, timeout_s=0.5))
+    assert result.exit_code == ExitCode.TRITON_UNAVAILABLE and not result.removed
+    assert folder.is_dir() and os.listdir(layout.staging) == []
+    assert leases.leases("m") == []  # this pod's lease is gone: gc may take the folder once Triton answers
+    assert f"{folder} stays in the repository: Triton at {down} does not answer" in caplog.text
+    assert "this pod's lease on it is dropped — gc removes it once Triton answers" in caplog.text
+
+
+def test_unload_while_triton_starts_up_leaves_the_folder_it_is_loading_and_triton_comes_up(tmp_path: Path) -> None:
+    """Triton loads its repository before it opens its HTTP port: removing the folder then hangs start-up."""
+    layout = node(tmp_path)
+    folder = publish(layout, "victim", model_py=SLOW_START_MODEL)
+    server = TritonServer(repository=layout.repository, log_path=tmp_path / "triton.log")
+    cmd, env = server.command()
+    with open(server.log_path, "ab") as log:
+        server.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while "loading: victim:1" not in server.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not server.live(), "Triton answered before it loaded the repository: the test proves nothing"
+        result = unload_model(unload_settings(layout, server.url, "victim", None, timeout_s=1))
+        assert result.exit_code == ExitCode.TRITON_UNAVAILABLE and not result.removed and folder.is_dir()
+        wait_model_ready(server, "victim", timeout_s=60)  # start-up went on: the load was not cut from under it
+    finally:
+        server.stop()
+
+
+def test_pollings_refusal_of_the_unload_call_counts_as_done(
+    triton: TritonServer, layout: NodeLayout, model_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    install_model(layout, triton, model_name)
+    client = TritonClient(triton.url)
+    refusal = client.unload(model_name)
+    assert (refusal.status, refusal.error_text()) == (503, POLL_REFUSAL)  # what Triton 2.51 answers in POLL mode
+    with caplog.at_level(logging.WARNING, logger="tritonshare.common.unload"):
+        result = unload_model(unload_settings(layout, triton.url, model_name, None, timeout_s=30))
+    assert result.removed and result.unloaded and result.exit_code == ExitCode.OK
+    assert not model_ready(triton, model_name)
+    assert [r.getMessage() for r in caplog.records if r.name == "tritonshare.common.unload"] == []
+
+
+# ---- explicit mode: a Triton of its own, with --model-control-mode=explicit ------------------------------
+
+
+@pytest.fixture(scope="module")
+def explicit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, NodeLayout]]:
+    root = tmp_path_factory.mktemp("explicit-unload")
+    layout = node(root)
+    server = TritonServer(repository=layout.repository, log_path=root / "triton.log", mode="explicit").start()
+    yield server, layout
+    server.stop()
+
+
+def loaded(server: TritonServer, layout: NodeLayout, name: str) -> TritonClient:
+    publish(layout, name)
+    client = TritonClient(server.url)
+    assert client.load(name).status == 200 and client.model_ready(name)
+    return client
+
+
+def test_in_explicit_mode_unload_makes_triton_stop_serving_the_model(
+    explicit: tuple[TritonServer, NodeLayout], model_name: str
+) -> None:
+    server, layout = explicit
+    client = loaded(server, layout, model_name)
+    LeaseStore(layout.leases).acquire(model_name, POD_A)
+    result = unload_model(unload_settings(layout, server.url, model_name, POD_A, timeout_s=10))
+    assert result.removed and result.unloaded and result.exit_code == ExitCode.OK
+    assert not client.model_ready(model_name)
+    assert not layout.model_dir(model_name).exists()
+
+
+def test_in_explicit_mode_a_model_another_pod_holds_keeps_being_served(
+    explicit: tuple[TritonServer, NodeLayout], model_name: str
+) -> None:
+    server, layout = explicit
+    client = loaded(server, layout, model_name)
+    leases = LeaseStore(layout.leases)
+    leases.acquire(model_name, POD_A)
+    leases.acquire(model_name, POD_B)
+    result = unload_model(unload_settings(layout, server.url, model_name, POD_A, timeout_s=10))
+    assert result.kept and result.exit_code == ExitCode.OK
+    assert client.model_ready(model_name) and layout.model_dir(model_name).is_dir()
+    assert request_unload(client, model_name)  # tidy up: Triton accepts, and stops serving it
+    assert not client.model_ready(model_name)
