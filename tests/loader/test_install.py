@@ -1,5 +1,6 @@
-"""Install identity, reuse and conflicts on a real folder pair (no Triton needed, except that
-``withdraw`` is shown to proceed when Triton cannot be asked)."""
+"""Install identity, reuse and conflicts on a real folder pair, and the folders ``withdraw`` must leave in
+place whatever Triton would say (no Triton needed): one this load reused, one another pod's lease is fresh
+on, and any while Triton does not answer."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from tests.support.models import write_model
 from tests.support.ports import free_port
 from tritonshare.common.errors import ExitCode, InstallConflict
 from tritonshare.common.layout import NodeLayout
+from tritonshare.common.lease import Holder, LeaseStore
 from tritonshare.common.repository import RECORD_FILE, InstallRecord, read_record
 from tritonshare.common.triton import TritonClient
-from tritonshare.loader.install import existing, install, listing_digest, withdraw
+from tritonshare.loader.install import Withdrawal, existing, install, listing_digest, withdraw
 from tritonshare.loader.sources.base import Checksum, RemoteObject
 
 OBJECTS = [
@@ -26,7 +28,7 @@ OBJECTS = [
 
 @pytest.fixture
 def node(tmp_path: Path) -> NodeLayout:
-    layout = NodeLayout(repository=tmp_path / "models", staging=tmp_path / "staging")
+    layout = NodeLayout(repository=tmp_path / "models", staging=tmp_path / "staging", leases=tmp_path / "leases")
     layout.repository.mkdir()
     layout.staging.mkdir()
     return layout
@@ -102,8 +104,29 @@ def test_losing_a_publish_race_to_another_source_is_a_conflict(node: NodeLayout,
         install(node, write_model(tmp_path / "second"), record())
 
 
-def test_withdraw_renames_out_then_deletes_when_triton_cannot_be_asked(node: NodeLayout, tmp_path: Path) -> None:
+def test_withdraw_leaves_the_folder_while_triton_does_not_answer(node: NodeLayout, tmp_path: Path) -> None:
+    """Triton loads every model of its repository before it opens its HTTP port: no answer may mean it is
+    starting up and loading this very folder, and removing it then hangs its start-up."""
     install(node, write_model(tmp_path / "staged"), record())
     unreachable = TritonClient(f"http://127.0.0.1:{free_port()}", timeout_s=0.5)
-    assert withdraw(node, "m", unreachable, timeout_s=1)
-    assert os.listdir(node.repository) == [] and os.listdir(node.staging) == []
+    assert withdraw(node, "m", unreachable, timeout_s=0.3, interval_s=0.1) is Withdrawal.UNANSWERED
+    assert os.listdir(node.repository) == ["m"] and os.listdir(node.staging) == []
+
+
+def test_withdraw_never_takes_out_an_install_the_load_reused(node: NodeLayout, tmp_path: Path) -> None:
+    install(node, write_model(tmp_path / "staged"), record())
+    unreachable = TritonClient(f"http://127.0.0.1:{free_port()}", timeout_s=0.5)
+    assert withdraw(node, "m", unreachable, timeout_s=0, reused=True) is Withdrawal.REUSED
+    assert os.listdir(node.repository) == ["m"]
+
+
+def test_withdraw_leaves_a_folder_another_pods_lease_is_fresh_on(node: NodeLayout, tmp_path: Path) -> None:
+    install(node, write_model(tmp_path / "staged"), record())
+    mine, theirs = Holder(uid="pod-mine"), Holder(uid="pod-theirs")
+    leases = LeaseStore(node.leases)
+    leases.acquire("m", mine)
+    leases.acquire("m", theirs)
+    unreachable = TritonClient(f"http://127.0.0.1:{free_port()}", timeout_s=0.5)
+    assert withdraw(node, "m", unreachable, timeout_s=0, holder=mine) is Withdrawal.SHARED
+    assert os.listdir(node.repository) == ["m"]
+    assert sorted(lease.holder.uid for lease in leases.leases("m")) == ["pod-mine", "pod-theirs"]

@@ -17,7 +17,7 @@ from tritonshare.common.errors import ExitCode, ReadinessTimeout, TritonLoadFail
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.repository import retire
 from tritonshare.common.triton import ModelState, TritonClient
-from tritonshare.loader.install import withdraw
+from tritonshare.loader.install import Withdrawal, withdraw
 from tritonshare.loader.readiness import PollWaiter, load_explicitly, look, wait_live, wait_polled
 from tritonshare.loader.run import run
 from tritonshare.loader.settings import LoaderSettings
@@ -65,7 +65,7 @@ def test_a_failing_model_is_reported_with_tritons_reason_well_before_the_deadlin
         wait_polled(client, model_name, timeout_s=120)
     assert time.monotonic() - started < 20
     assert e.value.exit_code == ExitCode.TRITON_LOAD_FAILED
-    assert withdraw(layout, model_name, client, timeout_s=30)
+    assert withdraw(layout, model_name, client, timeout_s=30) is Withdrawal.REMOVED
     assert not layout.model_dir(model_name).exists()
 
 
@@ -74,7 +74,7 @@ def test_a_failure_left_by_an_earlier_folder_of_the_same_name_is_not_taken_for_t
 ) -> None:
     publish_model(layout, model_name, config=IDENTITY_CONFIG.replace('"python"', '"no-such-backend"'))
     wait_for_state(client, model_name, "UNAVAILABLE")
-    assert withdraw(layout, model_name, client, timeout_s=30)
+    assert withdraw(layout, model_name, client, timeout_s=30) is Withdrawal.REMOVED
     publish_model(layout, model_name)  # a fixed model under the same name, at once
     first = look(client, model_name)
     assert "no-such-backend" in first.failure()  # Triton shows the old failure for the new folder...
@@ -152,6 +152,15 @@ def test_unloaded_is_never_a_load_failure() -> None:
     fake, clock = FakeTriton([ModelState(name="m", version="1", state="UNAVAILABLE", reason="unloaded")]), FakeClock()
     waiter = PollWaiter(fake, "m", timeout_s=40, stale_grace_s=5, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
     with pytest.raises(ReadinessTimeout, match=r"not ready 40\.0 s after publishing: Triton has not started loading"):
+        waiter.wait()
+
+
+def test_a_reused_install_not_ready_in_time_is_not_said_to_have_been_published() -> None:
+    fake, clock = FakeTriton([]), FakeClock()
+    waiter = PollWaiter(fake, "m", timeout_s=3, clock=clock, sleep=clock.sleep, reused=True)  # type: ignore[arg-type]
+    with pytest.raises(
+        ReadinessTimeout, match=r"^m is not ready 3\.0 s after finding it already installed \(reused\):"
+    ):
         waiter.wait()
 
 

@@ -8,12 +8,14 @@ import logging
 import os
 import tarfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from tests.support.install import wait_model_ready
 from tests.support.models import BROKEN_MODEL, IDENTITY_MODEL, write_model
 from tests.support.ports import free_port
 from tests.support.storage import make_tar
@@ -30,6 +32,7 @@ from tritonshare.common.errors import (
     UnsafeArchive,
 )
 from tritonshare.common.layout import NodeLayout
+from tritonshare.common.lease import Holder, LeaseStore
 from tritonshare.common.repository import RECORD_FILE, read_record
 from tritonshare.common.triton import TritonClient
 from tritonshare.loader.run import run
@@ -270,3 +273,69 @@ def test_no_partial_folder_is_ever_visible_while_a_large_model_downloads(
 )
 def test_credentials_in_a_source_uri_are_never_recorded_on_the_node(uri: str, recorded: str) -> None:
     assert display_uri(uri) == recorded
+
+
+# ---- a failed load and other pods: only what this loader published, and no one else holds, is taken out ----
+
+POD_A, POD_B = Holder(uid="run-pod-a"), Holder(uid="run-pod-b")
+
+
+@pytest.fixture
+def bare_triton(tmp_path: Path) -> Iterator[TritonServer]:
+    """A second real Triton over an empty repository: it answers but lists none of the node's models, as
+    the node's Triton does while it restarts and reloads its repository."""
+    (tmp_path / "bare").mkdir()
+    server = TritonServer(repository=tmp_path / "bare", log_path=tmp_path / "bare-triton.log").start()
+    yield server
+    server.stop()
+
+
+def test_a_reused_install_not_ready_in_time_stays_for_the_pod_that_installed_it(
+    layout: NodeLayout,
+    triton: TritonServer,
+    bare_triton: TritonServer,
+    model_name: str,
+    tmp_path: Path,
+    cleanup: list[str],
+) -> None:
+    source = write_model(tmp_path / "m")
+    leases = LeaseStore(layout.leases)
+    cleanup.append(model_name)
+    try:
+        assert run(settings(layout, triton, source, model_name, holder=POD_A)) == ExitCode.OK
+        with pytest.raises(ReadinessTimeout) as info:
+            run(settings(layout, bare_triton, source, model_name, holder=POD_B, timeout_s=1.0))
+        assert info.value.exit_code == ExitCode.READINESS_TIMEOUT
+        message = str(info.value)
+        assert "is not ready 1." in message and "s after finding it already installed (reused)" in message
+        assert "stays in the repository: this load reused it" in message
+        infer_identity(triton, model_name)  # pod A's model is still served
+        assert [lease.holder.uid for lease in leases.leases(model_name)] == [POD_A.uid]
+    finally:
+        leases.forget(model_name, POD_A)  # so that cleanup takes the model out
+
+
+def test_a_deadline_while_another_pods_lease_is_fresh_leaves_the_folder_to_that_pod(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
+) -> None:
+    source = write_model(tmp_path / "m")
+    leases = LeaseStore(layout.leases)
+    leases.acquire(model_name, POD_B)  # pod B came while pod A downloaded; it will reuse A's install
+    cleanup.append(model_name)
+    try:
+        with pytest.raises(ReadinessTimeout, match=r"stays in the repository: another pod's lease on it is fresh"):
+            run(settings(layout, triton, source, model_name, holder=POD_A, timeout_s=0.0))
+        wait_model_ready(triton, model_name)
+        infer_identity(triton, model_name)  # pod B gets its model
+        assert [lease.holder.uid for lease in leases.leases(model_name)] == [POD_B.uid]
+    finally:
+        leases.forget(model_name, POD_B)
+
+
+def test_a_pod_whose_load_fails_takes_its_own_install_out(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    source = write_model(tmp_path / "m", model_py=BROKEN_MODEL)
+    expect_failure(TritonLoadFailed, ExitCode.TRITON_LOAD_FAILED, r"this model refuses to load",
+                   layout, settings(layout, triton, source, model_name, holder=POD_A))  # fmt: skip
+    assert LeaseStore(layout.leases).leases(model_name) == []

@@ -1,5 +1,6 @@
 """Installing a model under NAME: decide before downloading whether it is already there, publish it with
-one rename, and take it back out when Triton cannot load it.
+one rename, and take it back out when Triton cannot load it — only what this loader published, only when
+no other pod's lease on NAME is fresh, and only once Triton answers that it is not loading it.
 
 What is installed is identified by the source URI and a digest of the source's *listing* (every object's
 path, size, checksum and version), known before a byte is downloaded: a restarted init container finds
@@ -9,6 +10,7 @@ a conflict, never overwritten.
 
 from __future__ import annotations
 
+import enum
 import errno
 import hashlib
 import logging
@@ -19,9 +21,10 @@ from pathlib import Path
 
 from tritonshare.common.errors import InstallConflict, InsufficientSpace
 from tritonshare.common.layout import NodeLayout
+from tritonshare.common.lease import DEFAULT_TTL_S, Holder, LeaseStore
 from tritonshare.common.repository import InstallRecord, publish, read_record, retire, write_record
 from tritonshare.common.triton import TritonClient
-from tritonshare.loader.readiness import is_loading
+from tritonshare.common.unload import Activity, request_unload, wait_quiet
 from tritonshare.loader.sources.base import RemoteObject
 
 logger = logging.getLogger(__name__)
@@ -89,6 +92,30 @@ def install(layout: NodeLayout, root: Path, record: InstallRecord) -> Installed:
         return Installed(layout.model_dir(record.name), reused=True)
 
 
+class Withdrawal(enum.Enum):
+    """What :func:`withdraw` did with repository/NAME. For a folder that stays, the value says why and what
+    removes it later (``{name}``: the model's NAME)."""
+
+    REMOVED = "taken out of the repository"
+    REUSED = (
+        "this load reused it (it was installed before), and other pods may be using it — gc removes it once no "
+        "pod holds a lease on it"
+    )
+    SHARED = "another pod's lease on it is fresh: that pod uses this install"
+    LOADING = (
+        "Triton is LOADING it, and removing it now would hang Triton's polling for every model — "
+        "`tritonshare unload --name {name}` removes it once the load ends"
+    )
+    UNANSWERED = (
+        "Triton does not answer, and a Triton that is starting up loads every model of its repository before it "
+        "answers, so removing it now could hang that start-up — gc removes it once Triton answers and no pod "
+        "holds a lease on it"
+    )
+
+    def why(self, name: str) -> str:
+        return self.value.format(name=name)
+
+
 def withdraw(
     layout: NodeLayout,
     name: str,
@@ -96,20 +123,43 @@ def withdraw(
     *,
     timeout_s: float,
     interval_s: float = 0.25,
-) -> bool:
-    """Take ``repository/NAME`` back out after a failed load: rename it into staging, then delete it.
+    holder: Holder | None = None,
+    lease_ttl_s: float = DEFAULT_TTL_S,
+    reused: bool = False,
+) -> Withdrawal:
+    """Take ``repository/NAME`` back out after a failed load: rename it into staging, delete it, and ask
+    Triton to unload it (explicit mode keeps serving a model whose folder is gone).
 
-    Never while Triton is LOADING it (REFERENCE §2: removing a folder mid-load hangs that load and, with
-    it, POLL for every tenant): wait up to ``timeout_s`` for the load to end, else leave the folder and
-    return False. Triton re-tries a failed model at every poll, so call this as soon as a failure is seen,
-    while the next poll is furthest away.
+    Only a folder this loader published (not ``reused``), and, like :meth:`LeaseStore.release`, only under
+    NAME's lease lock while no lease but ``holder``'s (this pod's) is fresh: two pods of one model share one
+    install. Never while Triton is LOADING it or does not answer (REFERENCE §2: removing a folder mid-load
+    hangs that load and, with it, POLL for every tenant; Triton loads its whole repository before it
+    answers): wait up to ``timeout_s`` for Triton to say it is not loading NAME, else leave the folder.
+    Triton re-tries a failed model at every poll, so call this as soon as a failure is seen, while the next
+    poll is furthest away.
     """
-    deadline = time.monotonic() + timeout_s
-    while is_loading(client, name):
-        if time.monotonic() >= deadline:
-            logger.warning("%s is still LOADING in Triton; its folder stays in the repository", name)
-            return False
-        time.sleep(interval_s)
-    if retire(layout, name):
-        logger.info("took %s back out of the repository", name)
-    return True
+    if reused:
+        return _kept(name, Withdrawal.REUSED)
+    leases = LeaseStore(layout.leases, ttl_s=lease_ttl_s)
+    if _held_by_others(leases, name, holder):
+        return _kept(name, Withdrawal.SHARED)
+    seen = wait_quiet(client, name, timeout_s=timeout_s, interval_s=interval_s)
+    if seen is not Activity.QUIET:
+        return _kept(name, Withdrawal.LOADING if seen is Activity.LOADING else Withdrawal.UNANSWERED)
+    with leases.lock(name):
+        if _held_by_others(leases, name, holder):  # a pod may have taken a lease while Triton was asked
+            return _kept(name, Withdrawal.SHARED)
+        if retire(layout, name):
+            logger.info("took %s back out of the repository", name)
+            request_unload(client, name)
+    return Withdrawal.REMOVED
+
+
+def _held_by_others(leases: LeaseStore, name: str, holder: Holder | None) -> bool:
+    own = holder.uid if holder is not None else None
+    return any(lease.holder.uid != own for lease in leases.fresh(name))
+
+
+def _kept(name: str, outcome: Withdrawal) -> Withdrawal:
+    logger.warning("%s stays in the repository: %s", name, outcome.why(name))
+    return outcome

@@ -71,11 +71,6 @@ def look(client: TritonClient, name: str) -> Look:
         return Look(error=str(exc))
 
 
-def is_loading(client: TritonClient, name: str) -> bool:
-    """Whether Triton is loading NAME now; an unreachable Triton is loading nothing."""
-    return look(client, name).loading
-
-
 @dataclass
 class PollWaiter:
     """State of one wait in poll mode: when it started, the looks so far."""
@@ -87,6 +82,7 @@ class PollWaiter:
     stale_grace_s: float = STALE_GRACE_S
     clock: Clock = time.monotonic
     sleep: Sleep = time.sleep
+    reused: bool = False  # NAME was installed already: this load waits on it, it did not publish it
     started: float = field(init=False, default=0.0)
     picked_up: bool = field(init=False, default=False)
     first_reason: str | None = field(init=False, default=None)
@@ -114,7 +110,8 @@ class PollWaiter:
             raise TritonLoadFailed(f"Triton failed to load {self.name}: {clip(reason, 600)}")
 
     def _timeout_message(self, seen: Look) -> str:
-        head = f"{self.name} is not ready {self.clock() - self.started:.1f} s after publishing"
+        since = "finding it already installed (reused)" if self.reused else "publishing"
+        head = f"{self.name} is not ready {self.clock() - self.started:.1f} s after {since}"
         if seen.error:
             return f"{head}: {seen.error}"
         if seen.loading:
@@ -129,13 +126,17 @@ class PollWaiter:
         )
 
 
-def wait_polled(client: TritonClient, name: str, *, timeout_s: float, interval_s: float = POLL_INTERVAL_S) -> None:
-    PollWaiter(client, name, timeout_s, interval_s).wait()
+def wait_polled(
+    client: TritonClient, name: str, *, timeout_s: float, interval_s: float = POLL_INTERVAL_S, reused: bool = False
+) -> None:
+    PollWaiter(client, name, timeout_s, interval_s, reused=reused).wait()
 
 
-def load_explicitly(client: TritonClient, name: str, *, timeout_s: float, interval_s: float = POLL_INTERVAL_S) -> None:
+def load_explicitly(
+    client: TritonClient, name: str, *, timeout_s: float, interval_s: float = POLL_INTERVAL_S, reused: bool = False
+) -> None:
     """Ask Triton to load NAME and report its answer; the call lasts as long as the load, so there is
-    nothing to poll (``interval_s`` is unused)."""
+    nothing to poll (``interval_s`` is unused), and the messages read the same for a reused install."""
     loader = TritonClient(client.url, timeout_s=max(timeout_s, 0.1))
     try:
         reply = loader.load(name)
@@ -150,7 +151,9 @@ def load_explicitly(client: TritonClient, name: str, *, timeout_s: float, interv
 
 
 class Readiness(Protocol):
-    def __call__(self, client: TritonClient, name: str, *, timeout_s: float, interval_s: float = ...) -> None: ...
+    def __call__(
+        self, client: TritonClient, name: str, *, timeout_s: float, interval_s: float = ..., reused: bool = ...
+    ) -> None: ...
 
 
 # --mode → how the published model becomes ready

@@ -39,7 +39,7 @@ from tritonshare.common.repository import InstallRecord, discard, new_staging_di
 from tritonshare.common.triton import TritonClient
 from tritonshare.loader import sources
 from tritonshare.loader.download import MIB, DownloadOptions, download_all, list_objects, listed_bytes
-from tritonshare.loader.install import Installed, existing, install, listing_digest, withdraw
+from tritonshare.loader.install import Installed, Withdrawal, existing, install, listing_digest, withdraw
 from tritonshare.loader.model import prepare
 from tritonshare.loader.readiness import MODES, wait_live
 from tritonshare.loader.settings import LoaderSettings
@@ -252,24 +252,34 @@ def check_space(staging: Path, needed: int, free: DiskFree, label: str) -> None:
 
 
 def _await_ready(settings: LoaderSettings, client: TritonClient, installed: Installed, timings: Timings) -> None:
-    """Wait for Triton; on failure take the folder back out unless Triton is loading it."""
+    """Wait for Triton; on failure take the folder back out if this loader published it, no other pod's
+    lease on it is fresh, and Triton answers that it is not loading it (:func:`install.withdraw`)."""
     ready = MODES[settings.mode]
     try:
         with timings.phase("load"):
-            ready(client, settings.name, timeout_s=settings.timeout_s, interval_s=settings.poll_interval_s)
-    except TritonLoadFailed as exc:
-        if not withdraw(settings.layout, settings.name, client, timeout_s=WITHDRAW_TIMEOUT_S):
-            raise TritonLoadFailed(f"{exc}; {_left_in_place(settings.layout, settings.name)}") from exc
-        raise
-    except ReadinessTimeout as exc:
-        if not withdraw(settings.layout, settings.name, client, timeout_s=0):
-            raise ReadinessTimeout(f"{exc}; {_left_in_place(settings.layout, settings.name)}") from exc
+            ready(
+                client,
+                settings.name,
+                timeout_s=settings.timeout_s,
+                interval_s=settings.poll_interval_s,
+                reused=installed.reused,
+            )
+    except (TritonLoadFailed, ReadinessTimeout) as exc:
+        # A failed model is loaded again at Triton's next poll: wait that load out. Past the deadline: one look.
+        wait_s = WITHDRAW_TIMEOUT_S if isinstance(exc, TritonLoadFailed) else 0.0
+        outcome = withdraw(
+            settings.layout,
+            settings.name,
+            client,
+            timeout_s=wait_s,
+            holder=settings.holder,
+            lease_ttl_s=settings.lease_ttl_s,
+            reused=installed.reused,
+        )
+        if outcome is not Withdrawal.REMOVED:
+            raise type(exc)(f"{exc}; {_left_in_place(settings.layout, settings.name, outcome)}") from exc
         raise
 
 
-def _left_in_place(layout: NodeLayout, name: str) -> str:
-    return (
-        f"{layout.model_dir(name)} stays in the repository because Triton is LOADING it and removing it now "
-        f"would hang Triton's polling for every model — `tritonshare unload --name {name}` removes it once the "
-        "load ends"
-    )
+def _left_in_place(layout: NodeLayout, name: str, outcome: Withdrawal) -> str:
+    return f"{layout.model_dir(name)} stays in the repository: {outcome.why(name)}"
