@@ -3,7 +3,15 @@ the loader's one edit (the name) leaves the rest of their config alone."""
 
 from __future__ import annotations
 
+import io
+import os
 import random
+import shutil
+import stat
+import subprocess
+import tarfile
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,8 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.models import DECOUPLED_CONFIG, IDENTITY_CONFIG, SLOW_CONFIG, write_model
-from tritonshare.common.errors import ExitCode, InvalidModel
-from tritonshare.loader.model import check_config, find_root, prepare, with_name
+from tritonshare.common.errors import ExitCode, InsufficientSpace, InvalidModel
+from tritonshare.loader.archive import unpack
+from tritonshare.loader.model import check_config, find_root, open_modes, prepare, with_name
 
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
@@ -312,3 +321,113 @@ def test_python_modules_get_a_pycache_file_so_triton_writes_no_bytecode(tmp_path
     for folder in (tmp_path / "1", tmp_path / "1" / "lib"):
         assert (folder / "__pycache__").is_file()
     assert not (tmp_path / "__pycache__").exists()  # no Python module there
+
+
+# ---- file modes: Triton runs as another user than the loader (k8s/base: 1000 and 65532) -------------------
+
+
+def modes(top: Path) -> dict[str, str]:
+    return {p.relative_to(top).as_posix(): stat.filemode(p.lstat().st_mode) for p in [top, *top.rglob("*")]}
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A folder another user can reach (pytest's own are 0700 under /tmp/pytest-of-root)."""
+    folder = Path(tempfile.mkdtemp(prefix="tritonshare-modes-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def model_archive(path: Path) -> Path:
+    """A .tar.gz as tools that write through ``tempfile`` make them: private folders and files."""
+    with tarfile.open(path, "w:gz") as tar:
+        for name, mode, data in [
+            ("m", 0o700, None),
+            ("m/1", 0o700, None),
+            ("m/config.pbtxt", 0o600, b'backend: "onnxruntime"\n'),
+            ("m/1/model.onnx", 0o600, b"weights"),
+            ("m/1/convert.sh", 0o700, b"#!/bin/sh\n"),
+        ]:
+            info = tarfile.TarInfo(name)
+            info.mode, info.type = mode, tarfile.REGTYPE if data is not None else tarfile.DIRTYPE
+            info.size = len(data or b"")
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def test_an_archive_of_private_files_is_installed_readable_by_tritons_user(shared_tmp: Path) -> None:
+    dest = shared_tmp / "out"
+    dest.mkdir()
+    unpack(model_archive(shared_tmp / "m.tar.gz"), dest)
+    assert modes(dest)["m/1/model.onnx"] == "-rw-------"  # as packed
+    root = prepare(dest, "mine", "m.tar.gz")
+    assert modes(root) == {
+        ".": "drwxr-xr-x",
+        "1": "drwxr-xr-x",
+        "1/model.onnx": "-rw-r--r--",
+        "1/convert.sh": "-rwxr-xr-x",  # executable stays executable, for everyone
+        "config.pbtxt": "-rw-r--r--",
+    }
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        return  # reading as another user needs root (and util-linux's setpriv)
+    as_triton = [setpriv, "--reuid=1000", "--regid=1000", "--clear-groups", "cat"]
+    out = subprocess.run([*as_triton, str(root / "config.pbtxt"), str(root / "1" / "model.onnx")], capture_output=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == b'name: "mine"\nbackend: "onnxruntime"\nweights'
+
+
+def test_modes_are_set_exactly_through_unreadable_folders_and_links_are_not_followed(tmp_path: Path) -> None:
+    top = tmp_path / "model"
+    write_model(top)
+    (top / "1" / "locked").mkdir()
+    (top / "1" / "locked" / "data.bin").write_bytes(b"x")
+    (top / "1" / "setuid").write_bytes(b"x")
+    (top / "1" / "setuid").chmod(0o4750)
+    (top / "config.pbtxt").chmod(0o666)  # world-writable in a shared repository: not kept
+    (top / "1" / "locked" / "data.bin").chmod(0o200)
+    (top / "1" / "locked").chmod(0)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the model's")
+    outside.chmod(0o600)
+    (top / "1" / "link").symlink_to(outside)
+    open_modes(top)
+    found = modes(top)
+    assert found["1/locked"] == "drwxr-xr-x" and found["1/locked/data.bin"] == "-rw-r--r--"
+    assert found["1/setuid"] == "-rwxr-xr-x"
+    assert found["config.pbtxt"] == found["1/model.py"] == "-rw-r--r--"
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o600
+
+
+# ---- a full disk while the loader edits the model ------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A folder on its own 1 MiB tmpfs (needs root); unmounted after the test."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def test_a_disk_that_fills_before_the_config_gets_its_name_is_insufficient_space(small_disk: Path) -> None:
+    """The name line makes a config of 4090 bytes take a second page, and the disk has none left: exit 15 with
+    the advice a full disk gets mid-download, not an unexpected OSError (exit 1, a traceback)."""
+    top = small_disk / "download"
+    write_model(top, config=IDENTITY_CONFIG + "#" * (4089 - len(IDENTITY_CONFIG)) + "\n")
+    with pytest.raises(OSError, match="No space left"), open(small_disk / "another-pod.bin", "wb", buffering=0) as out:
+        while True:
+            out.write(bytes(4096))
+    with pytest.raises(InsufficientSpace) as info:
+        prepare(top, "mine", "s3://b/m")
+    assert info.value.exit_code == ExitCode.INSUFFICIENT_SPACE
+    assert str(info.value) == (
+        f"s3://b/m: writing {top / 'config.pbtxt'}: the staging filesystem is full — free space on the node"
+    )

@@ -1,4 +1,4 @@
-"""What makes a downloaded folder a Triton model, and the one edit the loader makes to it.
+"""What makes a downloaded folder a Triton model, and the edits the loader makes to it.
 
 1. Find the model root: the folder holding ``config.pbtxt`` or numeric version folders, unwrapping one
    extra level (an archive of ``resnet/`` rather than of its content; modelmesh-runtime-adapter#25,
@@ -10,6 +10,9 @@
    line, column and what to change.
 3. Set the config's top-level ``name`` to NAME (Triton refuses a name that differs from the folder's,
    REFERENCE §2), editing only that field's value so comments and layout stay as they were.
+
+Before these, every file's mode is opened to what Triton, another user than the loader (k8s/base: 1000 and
+65532), can read (:func:`open_modes`): archives keep the modes they were packed with.
 
 Triton reads the file with protobuf's C++ ``TextFormat::Parse`` into its ModelConfig. The check does the
 same in two passes, each agreeing with Triton 2.51 on every case the tests list (compared here):
@@ -32,16 +35,19 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import errno
 import logging
 import os
 import re
 import shutil
-from collections.abc import Callable
+import stat
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tritonshare.common.errors import InvalidModel
+from tritonshare.common.errors import InsufficientSpace, InvalidModel, TritonshareError
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +70,7 @@ _TOKEN = re.compile(
 _ESCAPE = re.compile(r"\\(?:[abfnrtv\\?'\"]|[0-7]{1,3}|x[0-9A-Fa-f]{1,2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8})")
 _OPENING, _CLOSING = frozenset("{<"), frozenset("}>")
 _HINT = "Triton cannot read this config.pbtxt; fix it in the model source"
+FILE_MODE, EXECUTABLE_MODE, FOLDER_MODE = 0o644, 0o755, 0o755  # what Triton, another user, can read
 
 
 @dataclass(frozen=True)
@@ -285,8 +292,11 @@ def find_root(top: Path, label: str) -> Path:
 
 
 def prepare(top: Path, name: str, label: str, *, lenient: bool = False) -> Path:
-    """Find and check the model in ``top``, set its config's name to ``name``; returns the model root.
-    ``lenient``: see :func:`check_schema`."""
+    """Open the modes of the files in ``top``, find and check the model there, set its config's name to
+    ``name``; returns the model root. ``lenient``: see :func:`check_schema`. A full disk while editing is
+    InsufficientSpace (exit 15), as it is mid-download."""
+    with _editing(label, "setting file modes"):
+        open_modes(top)
     root = find_root(top, label)
     if not version_dirs(root):
         raise InvalidModel(
@@ -297,9 +307,53 @@ def prepare(top: Path, name: str, label: str, *, lenient: bool = False) -> Path:
     if config.is_file():
         where = f"{label}: {config.relative_to(top).as_posix()}"
         text = _read_text(config, where)
-        config.write_text(with_name(text, name, where, lenient=lenient), encoding="utf-8")
-    block_bytecode(root)
+        named = with_name(text, name, where, lenient=lenient)
+        with _editing(label, f"writing {config}"):
+            config.write_text(named, encoding="utf-8")
+    with _editing(label, f"blocking bytecode in {root}"):
+        block_bytecode(root)
     return root
+
+
+def open_modes(top: Path) -> None:
+    """Make every file and folder under ``top`` readable by all: files ``rw-r--r--`` (``rwxr-xr-x`` when any
+    execute bit was set), folders ``rwxr-xr-x``. Exact modes: write for others, set-user-ID and the like go.
+
+    Triton runs as another user than the loader (k8s/base: 1000 and 65532), and archives keep the modes
+    they were packed with: weights written through ``tempfile`` are 0600, and Triton cannot read a config
+    it does not own — POLL only logs "Poll failed". Each folder gets its mode before it is listed, so one
+    packed unreadable (0000) is walked too. Links are left alone: what they lead to inside gets its own mode.
+    """
+    os.chmod(top, FOLDER_MODE)
+    pending = [top]
+    while pending:
+        with os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                mode = entry.stat(follow_symlinks=False).st_mode
+                if stat.S_ISDIR(mode):
+                    _set_mode(entry.path, mode, FOLDER_MODE)
+                    pending.append(Path(entry.path))
+                elif stat.S_ISREG(mode):
+                    _set_mode(entry.path, mode, EXECUTABLE_MODE if mode & 0o111 else FILE_MODE)
+
+
+def _set_mode(path: str, mode: int, wanted: int) -> None:
+    if stat.S_IMODE(mode) != wanted:
+        os.chmod(path, wanted)
+
+
+@contextmanager
+def _editing(label: str, doing: str) -> Iterator[None]:
+    """The loader's edits of a staged model in the error tree: a full disk is InsufficientSpace (exit 15)
+    with the advice a full disk mid-download gets, another failure a node problem (exit 1)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise InsufficientSpace(
+                f"{label}: {doing}: the staging filesystem is full — free space on the node"
+            ) from exc
+        raise TritonshareError(f"{label}: {doing} failed: {exc}") from exc
 
 
 def block_bytecode(root: Path) -> None:
