@@ -119,11 +119,13 @@ async def relay(
     after: Callable[[ClientConnection, UpstreamConnection], None] | None = None,
     *,
     early: int = 0,
+    **settings: object,
 ) -> tuple[bytes, bytes, ProxyState]:
     """Relay a client's bytes (Triton's connection opens with the client's first bytes, so the first
-    ``max(early, 1)`` chunks arrive before it is open); returns what Triton and the client received."""
+    ``max(early, 1)`` chunks arrive before it is open); returns what Triton and the client received.
+    ``settings``: the proxy's, other than the defaults."""
     early = max(early, 1)
-    state = ProxyState(ProxySettings(name="own", triton_grpc="127.0.0.1:1"))
+    state = ProxyState(ProxySettings(name="own", triton_grpc="127.0.0.1:1", **settings))  # type: ignore[arg-type]
     state.draining = True  # readiness answers at once, without asking Triton
     to_triton, to_client = Recorder(), Recorder()
     upstreams: list[UpstreamConnection] = []
@@ -142,6 +144,8 @@ async def relay(
         await asyncio.sleep(0)
     assert upstreams, "the relay did not open its upstream connection"
     for chunk in chunks[early:]:
+        if to_client.closed:  # (a transport stops reading once closed)
+            break
         connection.data_received(chunk)
     if after is not None:
         after(connection, upstreams[0])
@@ -249,7 +253,9 @@ def test_triton_side_passes_bytes_and_slips_goaway_in_between_frames(cuts: list[
     replied = frames(replies)
     inserting = replied[4]
     assert inserting[:3] == (http2.HEADERS, http2.END_HEADERS, 5)
-    assert passed == [f for f in replied if f[2] != 5 or f is inserting]
+    # Triton's SETTINGS reach the client with the proxy's cap on concurrent streams added.
+    capped = http2.settings({0x5: 1 << 22, http2.SETTINGS_MAX_CONCURRENT_STREAMS: 128})
+    assert passed == [frames(capped)[0]] + [f for f in replied[1:] if f[2] != 5 or f is inserting]
     credits = [http2.window_increment(p) for k, _, sid, p in frames(to_triton[24:]) if k == 8 and sid == 0]
     assert credits[-1] == 9  # Triton's window gets back the dropped DATA bytes
     if goaways:  # never between a HEADERS frame and its CONTINUATION

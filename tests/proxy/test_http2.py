@@ -78,3 +78,11 @@ def test_settings_frame_and_ack() -> None:
     assert http2.parse_header(frame, 0) == (6, http2.SETTINGS, 0, 0)
     assert frame[9:] == b"\x00\x03\x00\x00\x00\x64"
     assert http2.parse_header(http2.SETTINGS_ACK, 0) == (0, http2.SETTINGS, http2.ACK, 0)
+
+
+def test_settings_pairs_read_what_settings_writes_and_refuse_a_torn_payload() -> None:
+    frame = http2.settings({http2.SETTINGS_MAX_FRAME_SIZE: 1 << 22, http2.SETTINGS_MAX_CONCURRENT_STREAMS: 100})
+    assert http2.settings_pairs(frame[9:]) == {http2.SETTINGS_MAX_FRAME_SIZE: 1 << 22, 3: 100}
+    with pytest.raises(http2.FrameError) as info:
+        http2.settings_pairs(frame[9:-1])
+    assert info.value.code == http2.FRAME_SIZE_ERROR

@@ -18,7 +18,7 @@ from tritonshare.proxy.grpc_admission import StreamGate
 from tritonshare.proxy.grpc_answers import LocalAnswers
 from tritonshare.proxy.grpc_headers import ClientHeaders
 from tritonshare.proxy.grpc_messages import MessageInspector, Refusal
-from tritonshare.proxy.grpc_streams import PROTOCOL, Stream, StreamTable
+from tritonshare.proxy.grpc_streams import PROTOCOL, ResetBudget, Stream, StreamTable
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
 from tritonshare.proxy.hpack_codec import HpackError
 from tritonshare.proxy.state import ProxyState
@@ -27,8 +27,10 @@ logger = logging.getLogger(__name__)
 
 _PENDING_LIMIT = 1 << 20  # client bytes buffered while Triton's connection opens; reading pauses beyond
 SILENT_TIMEOUT_S = 30.0  # a client connection that sends no byte for this long is closed
-_COMPRESSION_ERROR = 0x9
 _STATUS_LABELS = grpc_replies.STATUS_LABELS
+# Why reading the client is paused (bits): Triton's connection or the client's has too much to write, or too
+# many bytes wait for Triton's connection to open.
+_TRITON_FULL, _CLIENT_FULL, _PENDING_FULL = 1, 2, 4
 
 # Opens the connection to Triton for one client connection (a seam: tests pass their own).
 OpenUpstream = Callable[[Callable[[], UpstreamConnection]], Awaitable[UpstreamConnection]]
@@ -64,6 +66,14 @@ class ClientConnection(asyncio.Protocol):
         self._partial_size = 0
         self._partial_need = 0  # that frame's full size (0: its 9-byte header is not complete yet)
         self._preface_left = len(http2.PREFACE)
+        self._max_frame = http2.DEFAULT_MAX_FRAME_SIZE  # the largest the client may send: Triton's SETTINGS say
+        self._max_header_bytes = state.settings.max_header_bytes
+        self._max_streams = state.settings.grpc_max_streams
+        self._paused = 0  # why reading the client is paused (_TRITON_FULL | _CLIENT_FULL | _PENDING_FULL)
+        self._resets = ResetBudget()
+        self._idle: asyncio.TimerHandle | None = None  # the idle check, once the client has sent bytes
+        self._busy = False  # a stream was open at the last idle check
+        self._idle_mark = 0  # the highest stream id at the last idle check
         self._streams = StreamTable(state, self._credit)
         self._active = self._streams.active  # read for every DATA frame
         self._answers = LocalAnswers(state, self._streams, self._to_client, self._close_if_drained)
@@ -85,7 +95,7 @@ class ClientConnection(asyncio.Protocol):
             _as_is,
             self._on_rst_stream,
             self._on_settings,
-            _as_is,
+            _push_promise,
             self._on_ping,
             _as_is,
             self._on_window_update,
@@ -137,13 +147,15 @@ class ClientConnection(asyncio.Protocol):
                 return
             self._upstream = upstream
         pending, self._pending = self._pending or [], None
-        client.resume_reading()
+        self._pause_client(_PENDING_FULL, False)
         for data in pending:
             self._relay(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._host.connections.discard(self)
         self._silence.cancel()
+        if self._idle is not None:
+            self._idle.cancel()
         if self._connecting is not None:
             self._connecting.cancel()
         self._answers.cancel()
@@ -161,16 +173,40 @@ class ClientConnection(asyncio.Protocol):
             self.transport.close()
         self._streams.end_all("closed")
 
-    # Backpressure: a full write buffer on one side pauses reading on the other.
+    # Backpressure: a full write buffer on one side pauses reading on the other. A client's full one pauses
+    # reading the client too: what it sends may be answered by the proxy itself (refusals, window credits), and
+    # a client that never reads must not make those pile up.
 
     def pause_writing(self) -> None:
         _pause_reading(self._upstream.transport if self._upstream else None, True)
+        self._pause_client(_CLIENT_FULL, True)
 
     def resume_writing(self) -> None:
         _pause_reading(self._upstream.transport if self._upstream else None, False)
+        self._pause_client(_CLIENT_FULL, False)
 
     def upstream_paused(self, paused: bool) -> None:
-        _pause_reading(self.transport, paused)
+        self._pause_client(_TRITON_FULL, paused)
+
+    def _pause_client(self, reason: int, paused: bool) -> None:
+        """Reading the client pauses while any reason holds, and resumes once none does."""
+        before = self._paused
+        self._paused = before | reason if paused else before & ~reason
+        if bool(before) != bool(self._paused):
+            _pause_reading(self.transport, paused)
+
+    def triton_settings(self, frame: bytes) -> bytes:
+        """Triton's SETTINGS on their way to the client: the client may send frames as large as Triton says from
+        now on, and is told the proxy's cap on its concurrent streams when Triton's is higher (or none)."""
+        try:
+            pairs = http2.settings_pairs(memoryview(frame)[_HEADER_SIZE:])
+        except http2.FrameError:
+            return frame  # for the client to object to
+        self._max_frame = max(self._max_frame, pairs.get(http2.SETTINGS_MAX_FRAME_SIZE, 0))
+        if pairs.get(http2.SETTINGS_MAX_CONCURRENT_STREAMS, self._max_streams + 1) <= self._max_streams:
+            return frame
+        pairs[http2.SETTINGS_MAX_CONCURRENT_STREAMS] = self._max_streams
+        return http2.settings(pairs)
 
     def begin_drain(self) -> None:
         """GOAWAY: the client opens no new stream here; streams it already opened go on."""
@@ -232,14 +268,34 @@ class ClientConnection(asyncio.Protocol):
             return
         if self._pending is not None:  # Triton's connection is still opening
             if self._connecting is None:
-                self._silence.cancel()
-                self._connecting = asyncio.get_running_loop().create_task(self._connect())
+                self._first_bytes()
             self._pending.append(data)
             self._pending_size += len(data)
-            if self._pending_size > _PENDING_LIMIT and self.transport is not None:
-                self.transport.pause_reading()
+            if self._pending_size > _PENDING_LIMIT:
+                self._pause_client(_PENDING_FULL, True)
             return
         self._relay(data)
+
+    def _first_bytes(self) -> None:
+        """The client spoke: Triton's connection opens, and the connection is closed once idle for long."""
+        loop = asyncio.get_running_loop()
+        self._silence.cancel()
+        self._connecting = loop.create_task(self._connect())
+        idle_s = self._state.settings.grpc_idle_timeout_s
+        if idle_s > 0:
+            self._idle = loop.call_later(idle_s, self._check_idle, idle_s)
+
+    def _check_idle(self, idle_s: float) -> None:
+        """Once every ``idle_s``: a connection that had no stream open since the last check goes away (GOAWAY
+        NO_ERROR: clients reconnect when they need to), so an unused one does not hold a Triton connection."""
+        streams = self._streams
+        busy = bool(streams.active or self._answers.tasks)
+        if not (busy or self._busy or streams.client_max != self._idle_mark):
+            logger.info("closing a gRPC client connection that had no stream open for %.0f s", idle_s)
+            self._close_with(http2.goaway(streams.client_max))
+            return
+        self._busy, self._idle_mark = busy, streams.client_max
+        self._idle = asyncio.get_running_loop().call_later(idle_s, self._check_idle, idle_s)
 
     def _relay(self, data: bytes) -> None:
         try:
@@ -254,7 +310,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _fail(self, exc: http2.FrameError | HpackError) -> None:
         logger.warning("closing a gRPC client connection: %s", exc)
-        code = _COMPRESSION_ERROR if isinstance(exc, HpackError) else http2.PROTOCOL_ERROR
+        code = http2.COMPRESSION_ERROR if isinstance(exc, HpackError) else exc.code
         self._close_with(http2.goaway(self._streams.client_max, code))
 
     def _close_with(self, frames: bytes) -> None:
@@ -318,11 +374,21 @@ class ClientConnection(asyncio.Protocol):
             upstream.transport.write(memoryview(data)[run:pos])
 
     def _keep_partial(self, data: bytes, pos: int) -> None:
-        """Keep the incomplete frame at the end of a read (a view: no copy yet)."""
+        """Keep the incomplete frame at the end of a read (a view: no copy yet), unless it is longer than the
+        client may send: refused before it is held. (A frame whole in one read is at most a read long; what
+        passes of those, Triton refuses itself.)"""
+        if len(data) - pos >= _HEADER_SIZE:
+            length, kind, _, _ = http2.parse_header(data, pos)
+            if length > self._max_frame:
+                raise http2.FrameError(
+                    f"{length}-byte frame: larger than the {self._max_frame} bytes of SETTINGS_MAX_FRAME_SIZE",
+                    http2.FRAME_SIZE_ERROR,
+                )
+            if (kind == http2.HEADERS or kind == http2.CONTINUATION) and length > self._max_header_bytes:
+                raise http2.FrameError(f"header block larger than {self._max_header_bytes} bytes")
+            self._partial_need = _HEADER_SIZE + length
         self._partial.append(memoryview(data)[pos:])
         self._partial_size = len(data) - pos
-        if self._partial_size >= _HEADER_SIZE:
-            self._partial_need = _HEADER_SIZE + http2.parse_header(data, pos)[0]
 
     def _skip_preface(self, data: bytes, pos: int) -> int:
         offset = len(http2.PREFACE) - self._preface_left
@@ -371,6 +437,7 @@ class ClientConnection(asyncio.Protocol):
             return self._gate.hold(stream_id, stream, data, pos, stop, flags)
         self._answers.refuse_forwarded(stream_id, refusal)
         self._drop_data(stop - pos - _HEADER_SIZE)
+        self._resets.spend()
         return http2.rst_stream(stream_id, http2.CANCEL)
 
     def _inspect(self, inspector: MessageInspector, data: bytes, pos: int, stop: int, flags: int) -> Refusal | None:
@@ -398,6 +465,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _on_rst_stream(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
         if self._streams.finish(stream_id, "cancelled"):
+            self._resets.spend()
             self._close_if_drained()
             return None
         if self._streams.forget_local(stream_id):
@@ -432,7 +500,7 @@ class ClientConnection(asyncio.Protocol):
         then GOAWAY (see :meth:`_relay`); a client that opens no stream is let go after a while."""
         self._unavailable = True
         self._headers.forget_forwarded()
-        self._to_client(http2.settings())
+        self._to_client(http2.settings({http2.SETTINGS_MAX_CONCURRENT_STREAMS: self._max_streams}))
         if self.transport is not None:
             transport = self.transport
             asyncio.get_running_loop().call_later(
@@ -452,6 +520,10 @@ def _pause_reading(transport: asyncio.Transport | None, paused: bool) -> None:
 
 def _as_is(data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
     return None
+
+
+def _push_promise(data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
+    raise http2.FrameError("a client sent PUSH_PROMISE: only servers may (RFC 9113 §8.4)")
 
 
 def _interrupted(data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:

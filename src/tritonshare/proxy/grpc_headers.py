@@ -30,6 +30,9 @@ from tritonshare.proxy.state import ProxyState
 # Frame constants read for every HEADERS frame, as module globals (an attribute lookup each is measurable).
 _HEADER_SIZE = http2.HEADER_SIZE
 _BARE_MASK = http2.END_HEADERS | http2.PADDED | http2.PRIORITY_FLAG  # equal to END_HEADERS: a plain HEADERS
+# CONTINUATION frames one header block may take: a block within max_header_bytes needs 4 at the 16 KiB frames
+# every peer accepts; more, empty ones above all, are a flood (CVE-2024-27316's class).
+MAX_CONTINUATIONS = 32
 
 
 class Relay(Protocol):
@@ -80,6 +83,9 @@ class ClientHeaders:
         self._decoder = HeaderDecoder()
         self._known = self._decoder.known  # header blocks known by their bytes: a hit saves the decode call
         self._block: list[bytes] = []  # HEADERS + CONTINUATION frames of a header block in progress
+        self._block_size = 0  # their bytes, frame headers included
+        self._block_stream = 0  # their stream
+        self._max_streams = state.settings.grpc_max_streams
         self._new_streams = NewStreams(state, streams, answers, to_client)
         # The last new stream's header block and its rule when it was forwarded with nothing else to check (no
         # token to check, Triton reachable, no GOAWAY sent): a client repeats the same block for every call of
@@ -92,29 +98,42 @@ class ClientHeaders:
         self._forwarded = None
 
     def on_headers(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
+        if stop - pos > self._max_bytes:
+            raise http2.FrameError(f"header block larger than {self._max_bytes} bytes")
         if flags & _BARE_MASK == http2.END_HEADERS:  # the common case: a whole block, no padding or priority
             fragment = data[pos + _HEADER_SIZE : stop]
             block = self._known.get(fragment) or self._decoder.decode(fragment)
-            forwarded = self._forwarded
-            if forwarded is not None and forwarded[0] is block and stream_id > self._streams.client_max:
-                self._streams.client_max = stream_id  # a new stream opened as the last one was: forwarded
+            forwarded, streams = self._forwarded, self._streams
+            if (
+                forwarded is not None
+                and forwarded[0] is block
+                and stream_id > streams.client_max
+                and len(streams.active) < self._max_streams
+            ):
+                streams.client_max = stream_id  # a new stream opened as the last one was: forwarded
                 self._forward(stream_id, forwarded[1], block)
                 return self._plain_frames(stream_id, flags, block) if self._reencode else None
             return self._on_header_block(stream_id, flags, block)
         if not flags & http2.END_HEADERS:  # a header block in several frames: its CONTINUATIONs come next
             self._block.append(data[pos:stop])
+            self._block_size, self._block_stream = stop - pos, stream_id
             self._relay.expect_continuation(True)
             return b""
         fragment = bytes(http2.header_block_fragment(flags, memoryview(data)[pos + _HEADER_SIZE : stop]))
         return self._on_header_block(stream_id, flags, self._decoder.decode(fragment))
 
     def on_continuation(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-        if not self._block or http2.parse_header(self._block[0], 0)[3] != stream_id:
+        if not self._block or self._block_stream != stream_id:
             raise http2.FrameError("CONTINUATION frame without a HEADERS frame of its stream before it")
         self._block.append(data[pos:stop])
-        if sum(map(len, self._block)) > self._max_bytes:
+        self._block_size += stop - pos
+        if self._block_size > self._max_bytes:
             raise http2.FrameError(f"header block larger than {self._max_bytes} bytes")
         if not flags & http2.END_HEADERS:
+            if len(self._block) > MAX_CONTINUATIONS:
+                raise http2.FrameError(
+                    f"header block in more than {MAX_CONTINUATIONS} CONTINUATION frames", http2.ENHANCE_YOUR_CALM
+                )
             return b""
         frames, self._block = self._block, []
         self._relay.expect_continuation(False)
@@ -135,6 +154,11 @@ class ClientHeaders:
         else:  # only trailers of a stream in flight go on
             stream = self._streams.active.get(stream_id)
             if stream is None:
+                if block.path is not None:  # not trailers: a request on a stream id used or skipped already
+                    raise http2.FrameError(
+                        f"request headers on stream {stream_id}, not above the last stream opened "
+                        f"({self._streams.client_max}): stream ids must grow (RFC 9113 §5.1.1)"
+                    )
                 self._reencode = self._reencode or block.changes_table
                 return b""
             if stream.held is not None:  # behind its held frames; index-free, as it reaches Triton later

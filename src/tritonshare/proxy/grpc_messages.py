@@ -222,6 +222,11 @@ class MessageInspector:
             walker.feed(rest, 0, len(rest))
             if not self._inflater.eof:
                 raise MalformedMessage(f"compressed message ends before its {self._encoding!r} stream does")
+            if self._inflater.unused_data:  # what a reader other than zlib might take for more of the message
+                raise MalformedMessage(
+                    f"compressed message has {len(self._inflater.unused_data)} bytes after its {self._encoding!r} "
+                    "stream ends"
+                )
         result = walker.finish()
         return self._judge_message(result.model_name, result, end=pos)
 

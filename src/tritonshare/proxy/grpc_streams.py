@@ -12,9 +12,11 @@ and credits the client's window for the frames it held back from Triton meanwhil
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tritonshare.proxy import http2
 from tritonshare.proxy.admission import Ticket
 from tritonshare.proxy.grpc_messages import MessageInspector, MessageJudge, Refusal
 from tritonshare.proxy.grpc_replies import STATUS_NAMES
@@ -24,6 +26,11 @@ from tritonshare.proxy.state import ProxyState
 
 PROTOCOL = "grpc"
 _RECENT_LIMIT = 256  # ids of streams answered or reset by the proxy, remembered to drop their late frames
+# Forwarded streams a client may end early (its RST_STREAM, or a message the proxy refuses): a burst of
+# RESET_BURST, then RESETS_PER_S on average — nghttp2's answer to "rapid reset" (CVE-2023-44487) is 1000 and 33.
+# A client cancelling 100 calls a second for good, or 1000 at once, stays within it; a flood does not.
+RESET_BURST = 1000
+RESETS_PER_S = 100.0
 
 
 @dataclass(slots=True)
@@ -120,6 +127,30 @@ class StreamTable:
         elif stream.holding:
             stream.holding = False
             self._admission.release()
+
+
+class ResetBudget:
+    """A token bucket of the forwarded streams one client connection may end early: each such stream costs
+    Triton a stream set up for nothing, and resets never count against SETTINGS_MAX_CONCURRENT_STREAMS."""
+
+    __slots__ = ("_tokens", "_stamp")
+
+    def __init__(self) -> None:
+        self._tokens = float(RESET_BURST)
+        self._stamp = time.monotonic()
+
+    def spend(self) -> None:
+        """One more stream ended early; raises :class:`~tritonshare.proxy.http2.FrameError` (ENHANCE_YOUR_CALM)
+        once the budget is spent."""
+        now = time.monotonic()
+        self._tokens = min(RESET_BURST, self._tokens + (now - self._stamp) * RESETS_PER_S) - 1.0
+        self._stamp = now
+        if self._tokens < 0:
+            raise http2.FrameError(
+                f"the client ended streams early faster than {RESETS_PER_S:.0f} a second after a burst of "
+                f"{RESET_BURST} (HTTP/2 rapid reset)",
+                http2.ENHANCE_YOUR_CALM,
+            )
 
 
 def _remember(ids: dict[int, None], stream_id: int) -> None:

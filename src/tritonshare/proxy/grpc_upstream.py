@@ -1,10 +1,11 @@
-"""Triton → client half of the gRPC relay: Triton's bytes pass through untouched.
+"""Triton → client half of the gRPC relay: Triton's bytes pass through untouched, but for its SETTINGS.
 
 Frame headers are read to know where frames start, so that the proxy's own frames (refusals, readiness
 answers, GOAWAY) go in between Triton's, and to see streams end (trailers, RST_STREAM) for accounting and
-draining. Triton's header blocks are decoded by a table that mirrors Triton's encoder — cheap, as they
-repeat byte for byte and the decoder caches them — to read ``grpc-status`` for the metrics, and to know
-whether a block may be dropped.
+draining. Triton's SETTINGS are read on their way (the largest frame the client may send), and may be changed
+(the proxy's cap on concurrent streams). Triton's header blocks are decoded by a table that mirrors Triton's
+encoder — cheap, as they repeat byte for byte and the decoder caches them — to read ``grpc-status`` for the
+metrics, and to know whether a block may be dropped.
 
 What Triton still sends on a stream the proxy has reset is dropped: DATA, with its bytes credited back to
 Triton's window, and header blocks unless they change the client's decoder table (those are passed on: a
@@ -45,6 +46,8 @@ class StreamOwner(Protocol):
     def upstream_lost(self, exc: Exception | None) -> None: ...
 
     def upstream_paused(self, paused: bool) -> None: ...
+
+    def triton_settings(self, frame: bytes) -> bytes: ...  # Triton's SETTINGS frame read: the frame to pass on
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -217,6 +220,8 @@ class UpstreamConnection(asyncio.Protocol):
             self._owner.response_ended(stream_id, "reset")
         elif kind == http2.GOAWAY and self._owner.goaway_last is not None:
             return _HOLD
+        elif kind == http2.SETTINGS and not flags & http2.ACK:
+            return _HOLD
         return _PASS
 
     def _release(self, frame: bytes) -> list[bytes]:
@@ -224,6 +229,8 @@ class UpstreamConnection(asyncio.Protocol):
         _, kind, flags, _ = http2.parse_header(frame, 0)
         if kind == http2.GOAWAY:
             return [self._clamp_goaway(frame)]
+        if kind == http2.SETTINGS:
+            return [self._owner.triton_settings(frame)]
         self._block.append(frame)
         if not flags & http2.END_HEADERS:
             return []

@@ -43,9 +43,10 @@ class NewStreams:
         self._answers = answers
         self._to_client = to_client
         self._auth = state.auth
+        self._max_streams = state.settings.grpc_max_streams
         self._actions: dict[Verdict, Action] = {
-            Verdict.ALLOW: _forwarded,
-            Verdict.OWN: _forwarded,
+            Verdict.ALLOW: self._forwarded,
+            Verdict.OWN: self._forwarded,
             Verdict.READY: self._answer_ready,
             Verdict.DENY: self._deny,
         }
@@ -93,13 +94,19 @@ class NewStreams:
             return True
         return self._auth.check_grpc(block.get(b"authorization"))
 
+    def _forwarded(self, stream_id: int, rule: GrpcRule) -> GrpcRule | None:
+        """A stream for Triton, unless the client already has as many open there as the proxy advertises
+        (SETTINGS_MAX_CONCURRENT_STREAMS): refused then, which clients retry."""
+        if len(self._streams.active) < self._max_streams:
+            return rule
+        self._streams.answer_locally(stream_id)
+        self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
+        self._state.refuse(PROTOCOL, rule.route, "refused_stream", "too_many_streams")
+        return None
+
     def _answer_ready(self, stream_id: int, rule: GrpcRule) -> None:
         self._answers.answer_ready(stream_id, rule)
 
     def _deny(self, stream_id: int, rule: GrpcRule) -> None:
         message = f"{rule.route} is not available to tenants"
         self._answers.refuse_new(stream_id, rule.route, GRPC_PERMISSION_DENIED, message, "denied")
-
-
-def _forwarded(stream_id: int, rule: GrpcRule) -> GrpcRule:
-    return rule

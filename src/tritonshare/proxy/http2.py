@@ -34,8 +34,15 @@ PRIORITY_FLAG = 0x20
 NO_ERROR = 0x0
 PROTOCOL_ERROR = 0x1
 INTERNAL_ERROR = 0x2
+FRAME_SIZE_ERROR = 0x6
 REFUSED_STREAM = 0x7
 CANCEL = 0x8
+COMPRESSION_ERROR = 0x9
+ENHANCE_YOUR_CALM = 0xB
+
+# SETTINGS parameters (§6.5.2).
+SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
+SETTINGS_MAX_FRAME_SIZE = 0x5
 
 # Length (24 bits, as 8 + 16), type, flags, stream id (mask the reserved bit: & STREAM_ID_MASK). Hot loops
 # unpack with it directly; elsewhere use parse_header.
@@ -43,10 +50,16 @@ FRAME_HEADER = struct.Struct(">BHBBL")
 STREAM_ID_MASK = 0x7FFF_FFFF
 _U32 = struct.Struct(">L")
 _GOAWAY = struct.Struct(">LL")
+_SETTING = struct.Struct(">HL")
 
 
 class FrameError(Exception):
-    """A peer sent bytes that are not valid HTTP/2 framing; the connection cannot go on."""
+    """A peer sent bytes that are not valid HTTP/2 framing, or went past a limit; the connection cannot go on.
+    ``code``: the error code of the GOAWAY that ends it."""
+
+    def __init__(self, message: str, code: int = PROTOCOL_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def parse_header(buf: bytes | bytearray | memoryview, pos: int) -> tuple[int, int, int, int]:
@@ -87,8 +100,15 @@ def goaway_last_stream(payload: bytes | memoryview) -> int:
 
 
 def settings(pairs: dict[int, int] | None = None) -> bytes:
-    payload = b"".join(struct.pack(">HL", key, value) for key, value in (pairs or {}).items())
+    payload = b"".join(_SETTING.pack(key, value) for key, value in (pairs or {}).items())
     return frame(SETTINGS, 0, 0, payload)
+
+
+def settings_pairs(payload: bytes | memoryview) -> dict[int, int]:
+    """The parameters of a SETTINGS frame payload, in order (a parameter given twice: its last value)."""
+    if len(payload) % _SETTING.size:
+        raise FrameError(f"SETTINGS payload of {len(payload)} bytes is not a multiple of 6", FRAME_SIZE_ERROR)
+    return dict(_SETTING.iter_unpack(payload))
 
 
 SETTINGS_ACK = frame(SETTINGS, ACK, 0)

@@ -30,6 +30,8 @@ class ProxySettings:
     max_json_bytes: int = 64 * 1024 * 1024  # JSON part of an infer body, held to check it
     readiness_interval_s: float = 1.0  # how long a cached own-model readiness answer stays fresh
     strip_headers: tuple[str, ...] = ()  # e.g. the header key of Triton's --http-restricted-api
+    grpc_max_streams: int = 128  # forwarded gRPC streams open at once per client connection (as nginx's default)
+    grpc_idle_timeout_s: float = 300.0  # a gRPC connection with no stream open this long goes away; 0 = never
     # Admission control of the own model's inference requests (proxy/admission.py); 0 turns a limit off.
     max_inflight: int = 0  # at Triton at once, REST and gRPC together (a gRPC stream counts while open)
     max_queue: int = 128  # waiting for a slot; more are refused at once
