@@ -47,3 +47,53 @@ def test_different_filesystems_are_refused(tmp_path: Path) -> None:
     layout = NodeLayout(repository=tmp_path / "models", staging=shm)
     with pytest.raises(UsageError, match="different filesystems"):
         layout.check()
+
+
+NESTINGS = [
+    pytest.param("models", "models/staging", "leases", "staging", "repository", id="staging-in-repository"),
+    pytest.param("node/models", "node", "leases", "repository", "staging", id="repository-in-staging"),
+    pytest.param("models", "staging", "models/leases", "leases", "repository", id="leases-in-repository"),
+    pytest.param("models", "staging", "staging/leases", "leases", "staging", id="leases-in-staging"),
+    pytest.param("leases/models", "staging", "leases", "repository", "leases", id="repository-in-leases"),
+    pytest.param("models", "leases/staging", "leases", "staging", "leases", id="staging-in-leases"),
+]
+
+
+@pytest.mark.parametrize(("repository", "staging", "leases", "inner", "outer"), NESTINGS)
+def test_any_folder_inside_another_is_refused_naming_both_and_what_to_set(
+    tmp_path: Path, repository: str, staging: str, leases: str, inner: str, outer: str
+) -> None:
+    paths = {"repository": tmp_path / repository, "staging": tmp_path / staging, "leases": tmp_path / leases}
+    for path in paths.values():
+        path.mkdir(parents=True, exist_ok=True)
+    with pytest.raises(UsageError) as info:
+        NodeLayout(**paths).check()
+    message = str(info.value)
+    assert f"{inner} {paths[inner]} is inside the {outer} {paths[outer]}:" in message
+    assert f"--{inner} (TRITONSHARE_{inner.upper()})" in message
+    assert f"--{outer} (TRITONSHARE_{outer.upper()})" in message
+    assert info.value.exit_code == ExitCode.USAGE
+
+
+def test_the_repository_inside_staging_is_refused_even_through_a_symlink(tmp_path: Path) -> None:
+    (tmp_path / "node" / "models").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "models").symlink_to(tmp_path / "node" / "models")
+    layout = NodeLayout(repository=tmp_path / "elsewhere" / "models", staging=tmp_path / "node", leases=tmp_path / "l")
+    with pytest.raises(UsageError, match=f"repository {tmp_path / 'node' / 'models'} is inside the staging"):
+        layout.check()
+
+
+def test_two_roles_on_one_folder_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "models").mkdir()
+    (tmp_path / "staging").mkdir()
+    layout = NodeLayout(repository=tmp_path / "models", staging=tmp_path / "staging", leases=tmp_path / "staging")
+    with pytest.raises(UsageError, match=f"leases {tmp_path / 'staging'} is the same folder as the staging"):
+        layout.check()
+
+
+def test_a_missing_leases_folder_beside_the_others_is_fine(tmp_path: Path) -> None:
+    (tmp_path / "models").mkdir()
+    (tmp_path / "staging").mkdir()
+    NodeLayout(repository=tmp_path / "models", staging=tmp_path / "staging", leases=tmp_path / "leases").check()
+    assert not (tmp_path / "leases").exists()  # the lease store makes it when it first writes

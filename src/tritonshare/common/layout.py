@@ -1,6 +1,7 @@
-"""Where things live on a node: Triton's repository and the staging folder beside it.
+"""Where things live on a node: Triton's repository, and the staging and leases folders beside it.
 
-Default layout (REFERENCE §2: staging must be outside the repository root, on the same filesystem)::
+Default layout (REFERENCE §2: staging must be outside the repository root, on the same filesystem; none of the
+three folders may lie inside another, :meth:`NodeLayout.check`)::
 
     /var/lib/tritonshare/
     ├── models/     Triton's --model-repository (POLL mode); one folder per model NAME
@@ -10,6 +11,7 @@ Default layout (REFERENCE §2: staging must be outside the repository root, on t
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from dataclasses import dataclass
@@ -46,18 +48,40 @@ class NodeLayout:
         return self.repository / name
 
     def check(self) -> None:
-        """Both folders exist, staging is outside the repository and on the same filesystem."""
+        """Both folders exist; repository, staging and leases are apart (none inside another) and staging is
+        on the repository's filesystem."""
         for label, path in (("repository", self.repository), ("staging", self.staging)):
             if not path.is_dir():
                 raise UsageError(f"{label} folder {path} does not exist — create it or mount the node folder")
-        repo, staging = self.repository.resolve(), self.staging.resolve()
-        if staging == repo or repo in staging.parents:
-            raise UsageError(
-                f"staging {staging} is inside the repository {repo}: Triton would see partial models — "
-                "put it beside the repository"
-            )
+        folders = {label: path.resolve() for label, path in self._folders().items()}
+        for outer, inner in itertools.permutations(folders, 2):
+            if folders[inner] == folders[outer] or folders[outer] in folders[inner].parents:
+                raise _nested(inner, folders[inner], outer, folders[outer])
+        repo, staging = folders["repository"], folders["staging"]
         if os.stat(repo).st_dev != os.stat(staging).st_dev:
             raise UsageError(
                 f"staging {staging} and repository {repo} are on different filesystems, so a model cannot "
                 "be published by one rename — put both under the same mount"
             )
+
+    def _folders(self) -> dict[str, Path]:
+        return {"repository": self.repository, "staging": self.staging, "leases": self.leases}
+
+
+# What goes wrong when a folder lies inside another, by the outer folder.
+_INSIDE = {
+    "repository": "Triton takes every folder in its repository for a model (partial downloads, lease files)",
+    "staging": "staging holds only tritonshare's temporary folders, which loaders and gc delete",
+    "leases": "the lease store takes every folder in it for a model's leases",
+}
+_DEFAULTS = {"repository": DEFAULT_REPOSITORY, "staging": DEFAULT_STAGING, "leases": DEFAULT_LEASES}
+
+
+def _nested(inner: str, inner_path: Path, outer: str, outer_path: Path) -> UsageError:
+    where = "is the same folder as" if inner_path == outer_path else "is inside"
+    return UsageError(
+        f"{inner} {inner_path} {where} the {outer} {outer_path}: {_INSIDE[outer]} — set --{inner} "
+        f"(TRITONSHARE_{inner.upper()}) or --{outer} (TRITONSHARE_{outer.upper()}) so that repository, staging "
+        f"and leases are three sibling folders on one filesystem, like {_DEFAULTS['repository']}, "
+        f"{_DEFAULTS['staging']} and {_DEFAULTS['leases']}"
+    )
