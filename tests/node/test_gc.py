@@ -230,21 +230,51 @@ def test_a_model_triton_is_loading_waits_for_a_later_pass(
     wait_for(lambda: not model_ready(triton, name), f"Triton still serves {name}")
 
 
+def test_a_model_whose_load_began_during_the_pass_is_asked_about_again_before_its_rename(
+    triton: TritonServer,
+    layout: NodeLayout,
+    collector: Collector,
+    leases: LeaseStore,
+    clock: Clock,
+    prefix: str,
+    gc_log: pytest.LogCaptureFixture,
+) -> None:
+    first, starting = f"{prefix}a-dead", f"{prefix}b-starting"
+    install_model(layout, triton, first)
+    leases.acquire(first, POD_A)
+    clock.advance(TTL_S + 30)  # the pod on `first` died; `starting` below looks older than the TTL too
+    results: list[list[tuple[str, str]]] = []
+    sweep = threading.Thread(target=lambda: results.append(removed(collector)))
+    with leases.lock(first):  # the pass stops at `first` (a loader holds its lock) while Triton picks up the next
+        os.rename(
+            write_model(layout.staging / f"{starting}.test", model_py=SLOW_LOAD_MODEL), layout.model_dir(starting)
+        )
+        sweep.start()
+        client = TritonClient(triton.url)
+        wait_for(lambda: any(s.state == "LOADING" for s in client.model_states(starting)), f"{starting} never LOADING")
+    sweep.join(timeout=30)
+    assert results == [[("model", first)]]
+    assert layout.model_dir(starting).is_dir()
+    assert f"gc keeps {starting} this pass: Triton is LOADING it" in gc_log.text
+    wait_model_ready(triton, starting)  # the load was not disturbed
+    wait_for(lambda: not model_ready(triton, first), f"Triton still serves {first}")
+
+
 def test_staging_leftovers_older_than_the_ttl_go_and_fresh_ones_stay(
     layout: NodeLayout, collector: Collector, clock: Clock, prefix: str
 ) -> None:
     killed = layout.staging / f"{prefix}m.download.{uuid.uuid4().hex[:12]}"
     (killed / "1").mkdir(parents=True)
     (killed / "1" / "model.plan").write_bytes(b"partial")
-    stray = layout.staging / f"{prefix}stray.tmp"
-    stray.write_bytes(b"x")
+    cut_short = layout.staging / f"{prefix}o.retired.{uuid.uuid4().hex[:12]}"
+    cut_short.mkdir()  # a delete after a retire that did not finish
     clock.advance(TTL_S + 1)
     downloading = layout.staging / f"{prefix}n.download.{uuid.uuid4().hex[:12]}"
     (downloading / "1").mkdir(parents=True)
     (downloading / "1" / "model.plan").write_bytes(b"growing")
     os.utime(downloading / "1" / "model.plan", (clock.now, clock.now))  # written "just now" in gc's time
-    assert sorted(removed(collector)) == sorted([("staging", killed.name), ("staging", stray.name)])
-    assert not killed.exists() and not stray.exists()
+    assert sorted(removed(collector)) == sorted([("staging", killed.name), ("staging", cut_short.name)])
+    assert not killed.exists() and not cut_short.exists()
     assert (downloading / "1" / "model.plan").read_bytes() == b"growing"
 
 
@@ -260,6 +290,53 @@ def test_unpacked_files_with_old_mtimes_do_not_make_a_download_look_abandoned(
     assert unpacking.is_dir()
 
 
+def test_gc_never_deletes_what_it_did_not_make_in_staging_even_the_repository_inside_it(
+    tmp_path: Path, clock: Clock, gc_log: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "node"  # TRITONSHARE_STAGING=/var/lib/tritonshare: the layout check refuses it, gc copes too
+    layout = NodeLayout(repository=root / "models", staging=root, leases=root / "leases")
+    write_model(layout.model_dir("resnet"))
+    (root / "notes.txt").write_text("operator's")
+    (root / f"resnet.download.{'z' * 12}").mkdir()  # not an ID tritonshare makes
+    collector = Collector(
+        GcSettings(layout=layout, lease_ttl_s=TTL_S),
+        client=TritonClient(f"http://127.0.0.1:{free_port()}"),
+        clock=clock,
+    )
+    collector.store.acquire("resnet", POD_A)
+    clock.advance(TTL_S + 30)
+    collector.store.refresh("resnet", POD_A)  # the pod using resnet is alive
+    assert removed(collector) == []
+    assert removed(collector) == []
+    assert (layout.model_dir("resnet") / "config.pbtxt").is_file()
+    assert (root / "notes.txt").read_text() == "operator's"
+    assert (root / f"resnet.download.{'z' * 12}").is_dir()
+    assert gc_log.text.count(f"gc leaves {layout.repository} alone: tritonshare did not make it") == 1
+
+
+def test_a_stalled_download_stays_while_its_loader_holds_a_fresh_lease(
+    bare_layout: NodeLayout, clock: Clock, gc_log: pytest.LogCaptureFixture
+) -> None:
+    workspace = bare_layout.staging / f"resnet.download.{uuid.uuid4().hex[:12]}"
+    (workspace / "1").mkdir(parents=True)
+    (workspace / "1" / "model.plan").write_bytes(b"first bytes, then the source stalled")
+    retired = bare_layout.staging / f"resnet.retired.{uuid.uuid4().hex[:12]}"
+    retired.mkdir()
+    collector = Collector(
+        GcSettings(layout=bare_layout, lease_ttl_s=TTL_S),
+        client=TritonClient(f"http://127.0.0.1:{free_port()}"),
+        clock=clock,
+    )
+    clock.advance(TTL_S + 30)
+    collector.store.acquire("resnet", POD_A)  # the loader's heartbeat goes on
+    assert removed(collector) == [("staging", retired.name)]  # a retired folder is nobody's workspace
+    assert (workspace / "1" / "model.plan").is_file()
+    assert f"gc keeps {workspace}: {POD_A} holds a fresh lease on resnet" in gc_log.text
+    clock.advance(TTL_S + 1)  # the loader died: no heartbeat since
+    assert removed(collector) == [("staging", workspace.name), ("leases", "resnet")]
+    assert not workspace.exists()
+
+
 def test_without_triton_no_model_is_removed_but_staging_still_is(
     bare_layout: NodeLayout, tmp_path: Path, clock: Clock, gc_log: pytest.LogCaptureFixture
 ) -> None:
@@ -271,7 +348,7 @@ def test_without_triton_no_model_is_removed_but_staging_still_is(
     clock.advance(TTL_S + 30)
     assert removed(collector) == [("staging", leftover.name)]
     assert bare_layout.model_dir("resnet").is_dir()
-    assert "gc keeps every model this pass" in gc_log.text
+    assert "gc removes no more models this pass: Triton at" in gc_log.text
 
 
 def test_a_folder_no_lease_can_name_is_left_alone_and_the_pass_goes_on(
@@ -335,6 +412,18 @@ def test_the_command_makes_one_pass_with_options_from_the_environment(
     assert result.exit_code == ExitCode.OK, result.output
     assert not bare_layout.model_dir("resnet").exists()
     assert "gc removed model resnet" in gc_log.text
+
+
+def test_the_command_refuses_a_repository_inside_staging(tmp_path: Path) -> None:
+    (tmp_path / "models").mkdir()
+    termination = tmp_path / "termination-log"
+    args = ["--once", "--repository", str(tmp_path / "models"), "--staging", str(tmp_path)]
+    result = CliRunner().invoke(
+        gc, [*args, "--leases", str(tmp_path / "leases"), "--termination-log", str(termination)]
+    )
+    assert result.exit_code == ExitCode.USAGE
+    assert f"repository {tmp_path / 'models'} is inside the staging {tmp_path}" in termination.read_text()
+    assert (tmp_path / "models").is_dir()
 
 
 def test_the_command_refuses_a_missing_repository(tmp_path: Path) -> None:

@@ -5,12 +5,14 @@ leaves its staging folder. Every ``interval_s`` one pass removes, and logs with 
 
 1. models in the repository whose every lease (:mod:`tritonshare.common.lease`) is older than
    ``lease_ttl_s``, or that have no lease and were installed longer ago than that — renamed out of the
-   repository, then deleted (:func:`tritonshare.common.repository.retire`). Never while Triton's index says
-   LOADING for the model: removing a folder mid-load hangs that load and, with it, POLL for every tenant
-   (REFERENCE §2); such a model waits for a later pass. If Triton cannot be asked, no model is removed in
-   that pass;
-2. staging entries nothing has written to for longer than the TTL (a loader killed mid-download, a delete
-   cut short);
+   repository into staging, and deleted once every rename of the pass is done. Each is judged again under
+   its lease lock right before its rename, Triton's index included: never while it says LOADING for the
+   model, as removing a folder mid-load hangs that load and, with it, POLL for every tenant (REFERENCE §2);
+   such a model waits for a later pass. If Triton cannot be asked, no more models are removed in that pass;
+2. staging entries tritonshare made (``NAME.PURPOSE.ID``: a loader's workspace, a retired model) that
+   nothing has written to for longer than the TTL (a loader killed mid-download, a delete cut short) —
+   except a workspace of a model someone holds a fresh lease on (its loader is alive, maybe stalled).
+   Anything else in staging is not tritonshare's and is left alone (logged once);
 3. lease folders of models that are not installed and whose leases all expired.
 
 Only NAMEs matching one of ``manage`` (fnmatch patterns) are touched, so models an operator put on the node
@@ -34,13 +36,15 @@ from typing import Literal
 from tritonshare.common.errors import ExitCode, TritonshareError, TritonUnavailable, UsageError
 from tritonshare.common.layout import NodeLayout, check_model_name
 from tritonshare.common.lease import DEFAULT_TTL_S, Clock, LeaseStore
-from tritonshare.common.repository import discard, read_record, retire
+from tritonshare.common.repository import discard, new_staging_dir, read_record
 from tritonshare.common.triton import TritonClient
 
 logger = logging.getLogger(__name__)
 
-# Staging entries are NAME.PURPOSE.ID (repository.new_staging_dir, repository.retire).
-_STAGING_ENTRY = re.compile(r"(?P<name>.+)\.[a-z]+\.[0-9a-f]{12}")
+# Staging entries tritonshare makes are NAME.PURPOSE.ID (repository.new_staging_dir, repository.retire);
+# gc never touches any other name there.
+_STAGING_ENTRY = re.compile(r"(?P<name>.+)\.(?P<purpose>[a-z]+)\.[0-9a-f]{12}")
+_RETIRED = "retired"  # the PURPOSE of a model renamed out of the repository: garbage, nobody writes to it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +74,7 @@ class Collector:
         self.client = client or TritonClient(settings.triton_url, timeout_s=settings.triton_timeout_s)
         self.clock = clock
         self.store = LeaseStore(settings.layout.leases, ttl_s=settings.lease_ttl_s, clock=clock)
+        self._foreign: set[str] = set()  # staging entries not tritonshare's, already logged
 
     def sweep(self) -> list[Removal]:
         removals = [*self._models(), *self._staging(), *self._orphan_leases()]
@@ -83,17 +88,23 @@ class Collector:
     # -- models in the repository
 
     def _models(self) -> list[Removal]:
+        moved: list[tuple[Removal, Path]] = []
+        try:
+            for name in self._candidates():
+                outcome = self._move_out(name)
+                if outcome is not None:
+                    moved.append(outcome)
+        except TritonUnavailable as exc:
+            logger.warning("gc removes no more models this pass: %s", exc)
+        finally:
+            for _removal, trash in moved:  # after every rename: a slow delete must not delay the next check
+                discard(trash)
+        return [removal for removal, _trash in moved]
+
+    def _candidates(self) -> list[str]:
         repository = self.settings.layout.repository
         names = [p.name for p in sorted(repository.iterdir()) if p.is_dir() and self.managed(p.name)]
-        names = [name for name in names if _keyable(name)]
-        candidates = [name for name in names if self._model_reason(name) is not None]
-        if not candidates:
-            return []
-        loading = self._loading()
-        if loading is None:
-            return []
-        removals = (self._remove_model(name) for name in candidates if not self._is_loading(name, loading))
-        return [r for r in removals if r is not None]
+        return [name for name in names if _keyable(name) and self._model_reason(name) is not None]
 
     def _model_reason(self, name: str) -> str | None:
         """Why NAME should go, or None while it is held (or too new to judge)."""
@@ -110,30 +121,31 @@ class Collector:
             return None
         return f"no lease, and installed {now - installed:.0f}s ago (ttl {ttl:.0f}s)"
 
-    def _loading(self) -> set[str] | None:
-        try:
-            return {s.name for s in self.client.repository_index() if s.state == "LOADING"}
-        except TritonUnavailable as exc:
-            logger.warning("gc keeps every model this pass: %s", exc)
-            return None
+    def _move_out(self, name: str) -> tuple[Removal, Path] | None:
+        """Rename NAME out of the repository into staging; returns what was done and where the folder went.
+        Judged again under NAME's lock (a loader may have taken a lease since the first look), and Triton
+        asked right then (a load may have begun since the pass began)."""
+        with self.store.lock(name):
+            reason = self._model_reason(name)
+            if reason is None or self._loading(name):
+                return None
+            trash = _rename_out(self.settings.layout, name)
+            if trash is None:
+                return None
+            self.store.drop(name)
+        logger.info("moved %s out of the repository to %s", self.settings.layout.model_dir(name), trash)
+        return Removal(kind="model", name=name, path=self.settings.layout.model_dir(name), reason=reason), trash
 
-    def _is_loading(self, name: str, loading: set[str]) -> bool:
-        if name in loading:
+    def _loading(self, name: str) -> bool:
+        """Whether Triton's index says LOADING for NAME now; raises TritonUnavailable if it cannot tell."""
+        loading = any(state.state == "LOADING" for state in self.client.model_states(name))
+        if loading:
             logger.info(
                 "gc keeps %s this pass: Triton is LOADING it, and removing a folder mid-load would hang polling "
                 "for every model",
                 name,
             )
-        return name in loading
-
-    def _remove_model(self, name: str) -> Removal | None:
-        # Under NAME's lock and judged again: a loader may have taken a lease since the first look.
-        with self.store.lock(name):
-            reason = self._model_reason(name)
-            if reason is None or not retire(self.settings.layout, name):
-                return None
-            self.store.drop(name)
-        return Removal(kind="model", name=name, path=self.settings.layout.model_dir(name), reason=reason)
+        return loading
 
     # -- staging leftovers and orphan leases
 
@@ -141,16 +153,40 @@ class Collector:
         now, ttl = self.clock(), self.settings.lease_ttl_s
         removals = []
         for path in sorted(self.settings.layout.staging.iterdir()):
-            match = _STAGING_ENTRY.fullmatch(path.name)
-            if not self.managed(match["name"] if match else path.name):
+            entry = self._entry(path)
+            if entry is None or not self.managed(entry["name"]):
                 continue
             changed = _last_change(path)
-            if changed is None or now - changed <= ttl:
+            if changed is None or now - changed <= ttl or self._in_use(path, entry):
                 continue
             _delete(path)
             reason = f"staging leftover untouched for {now - changed:.0f}s (ttl {ttl:.0f}s)"
             removals.append(Removal(kind="staging", name=path.name, path=path, reason=reason))
         return removals
+
+    def _entry(self, path: Path) -> re.Match[str] | None:
+        """PATH's NAME and PURPOSE if tritonshare made it, else None (logged once)."""
+        match = _STAGING_ENTRY.fullmatch(path.name)
+        if match is None or not _is_model_name(match["name"]):
+            if path.name not in self._foreign:
+                self._foreign.add(path.name)
+                logger.info(
+                    "gc leaves %s alone: tritonshare did not make it (its staging entries are NAME.PURPOSE.ID) — "
+                    "remove it by hand if nothing needs it",
+                    path,
+                )
+            return None
+        return match
+
+    def _in_use(self, path: Path, entry: re.Match[str]) -> bool:
+        """Whether PATH is a workspace of a model someone holds a fresh lease on: its loader is alive, even
+        if its download has not written for a TTL (a stalled source). Retired models are nobody's."""
+        if entry["purpose"] == _RETIRED:
+            return False
+        holders = [str(lease.holder) for lease in self.store.fresh(entry["name"])]
+        if holders:
+            logger.info("gc keeps %s: %s holds a fresh lease on %s", path, ", ".join(holders), entry["name"])
+        return bool(holders)
 
     def _orphan_leases(self) -> list[Removal]:
         removals = []
@@ -207,6 +243,28 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
+
+
+def _rename_out(layout: NodeLayout, name: str) -> Path | None:
+    """Rename ``repository/NAME`` onto a fresh, empty NAME.retired.ID folder in staging (rename(2) replaces
+    an empty folder), named as :func:`tritonshare.common.repository.retire` names it. None if NAME is gone."""
+    trash = new_staging_dir(layout, name, _RETIRED)
+    try:
+        os.rename(layout.model_dir(name), trash)
+    except OSError as exc:
+        trash.rmdir()
+        if isinstance(exc, FileNotFoundError):
+            return None
+        raise
+    return trash
+
+
+def _is_model_name(name: str) -> bool:
+    try:
+        check_model_name(name)
+    except UsageError:
+        return False
+    return True
 
 
 def _keyable(name: str) -> bool:
