@@ -285,6 +285,9 @@ class Chunks:
         self.sent += count
         return count
 
+    def abort(self) -> None:
+        self.cut_after = self.sent
+
     def close(self) -> None:
         pass
 

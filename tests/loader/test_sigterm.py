@@ -143,7 +143,8 @@ def test_sigterm_mid_download_cleans_up_exits_143_and_the_next_load_succeeds(
     log = first.stderr.read_text()
     assert proc.returncode == 143, log  # ExitCode.TERMINATED: 128 + SIGTERM, what a shell shows for a kill
     message = first.termination_log.read_text()
-    assert message.startswith("stopped by SIGTERM while downloading") and f"`tritonshare load --name {model_name}`" in message
+    assert message.startswith("stopped by SIGTERM while downloading")
+    assert f"`tritonshare load --name {model_name}`" in message
     assert took < 10, f"clean-up took {took:.1f} s: the kubelet's grace period is 30 s by default"
     assert staged(layout, model_name) == []  # the partial download is gone
     assert not layout.model_dir(model_name).exists()

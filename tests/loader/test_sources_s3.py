@@ -182,6 +182,21 @@ def test_a_server_that_never_answers_fails_within_the_stall_timeout(
     assert time.monotonic() - started < 3
 
 
+def test_a_failed_download_wakes_a_read_stalled_on_another_object_at_once(
+    fake_endpoint: HttpFileServer, source: S3Source, tmp_path: Path
+) -> None:
+    (fake_endpoint.root / "models" / "m").mkdir(parents=True)
+    (fake_endpoint.root / "models" / "m" / "stalled.bin").write_bytes(b"x" * 100_000)
+    fake_endpoint.fail("/models/m/stalled.bin", Fault(stall_after_bytes=10_000))  # then hangs
+    fake_endpoint.fail("/models/m/gone.bin", Fault(status=404))
+    objects = [RemoteObject(key=f"m/{name}", relpath=name, size=100_000) for name in ("stalled.bin", "gone.bin")]
+    options = DownloadOptions(concurrency=2, retries=0, stall_timeout_s=60)
+    started = time.monotonic()
+    with pytest.raises(SourceNotFound, match="m/gone.bin"):
+        download_all(source, objects, tmp_path, options)
+    assert time.monotonic() - started < 5  # not the 60 s stall timeout of the other object's read
+
+
 def test_an_endpoint_nobody_listens_on_is_transient(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")

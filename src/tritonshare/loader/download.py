@@ -27,8 +27,9 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path, PurePosixPath
@@ -188,6 +189,7 @@ class _Transfer:
         self.cancelled = threading.Event()
         self.local = threading.local()
         self.splits: list[Split] = []  # closed (their hasher threads) when the transfer ends, however it ends
+        self.reading: set[Body] = set()  # bodies being read now: aborted when the transfer stops
         self.hashing = hashing_slots()  # shared by the splits' hashers
         self.lock = threading.Lock()
         self.bytes_done = 0
@@ -208,6 +210,7 @@ class _Transfer:
             self._wait(futures, len(plan))
         finally:
             self.cancelled.set()  # a no-op after success; after a failure it stops the other workers
+            self._abort_reads()  # a worker blocked on a stalled store wakes now, not after --stall-timeout-s
             for split in self.splits:  # their hashers stop within one window
                 split.close()
             if pool is not None:
@@ -224,6 +227,12 @@ class _Transfer:
             stats.mib_per_s,
         )
         return stats
+
+    def _abort_reads(self) -> None:
+        with self.lock:
+            reading = list(self.reading)
+        for body in reading:
+            body.abort()
 
     def _wait(self, futures: list[Future[None]], count: int) -> None:
         pending = set(futures)
@@ -381,17 +390,31 @@ class _Transfer:
         """Read ``body`` (at most ``limit`` bytes) into the thread's buffer, write it at ``offset``, hash it."""
         buffer = self._buffer()
         total = 0
-        while limit is None or total < limit:
-            count = body.readinto(buffer if limit is None else buffer[: min(len(buffer), limit - total)])
-            if not count:
-                break
-            chunk = buffer[:count]
-            write_all(fd, chunk, offset + total)
-            if hasher is not None:
-                hasher.update(chunk)
-            total += count
-            progress(count)
+        with self._reading(body):
+            while limit is None or total < limit:
+                count = body.readinto(buffer if limit is None else buffer[: min(len(buffer), limit - total)])
+                if not count:
+                    break
+                chunk = buffer[:count]
+                write_all(fd, chunk, offset + total)
+                if hasher is not None:
+                    hasher.update(chunk)
+                total += count
+                progress(count)
         return total
+
+    @contextmanager
+    def _reading(self, body: Body) -> Iterator[None]:
+        """``body`` is read meanwhile: a stop aborts it (:meth:`_abort_reads`), even one that came just before."""
+        with self.lock:
+            self.reading.add(body)
+        try:
+            if self.cancelled.is_set():
+                body.abort()
+            yield
+        finally:
+            with self.lock:
+                self.reading.discard(body)
 
     def _progress(self, obj: RemoteObject, count: int) -> None:
         if self.cancelled.is_set():

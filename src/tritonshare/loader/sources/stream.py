@@ -43,6 +43,11 @@ class Body(Protocol):
         """Fill ``buffer``; 0 at the end. Raises TransientSourceError/SourceError, never a bare OSError."""
         ...
 
+    def abort(self) -> None:
+        """From another thread: make a read blocked on this body return now (early, or with an error), so a
+        stopped download does not wait for a stalled store's read timeout."""
+        ...
+
     def close(self) -> None: ...
 
 

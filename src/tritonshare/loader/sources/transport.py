@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import http.client
+import socket
 import ssl
 import threading
 from collections.abc import Callable, Mapping
@@ -113,6 +114,16 @@ class Response:
         finally:
             self.close()
 
+    def abort(self) -> None:
+        """Wake a thread blocked reading this response (another thread's call): shut the socket down, which
+        a read in progress sees at once, where closing the descriptor would leave it blocked."""
+        sock = self._connection.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed or reset: nothing is blocked on it
+
     def close(self) -> None:
         if not self._raw.isclosed():
             self._connection.close()  # unread bytes would be taken for the next response
@@ -146,6 +157,9 @@ class ResponseBody:
             return self._response.readinto(buffer)
         except NETWORK_ERRORS as exc:
             raise self._translate(exc, self._what) from exc
+
+    def abort(self) -> None:
+        self._response.abort()
 
     def close(self) -> None:
         self._response.close()
