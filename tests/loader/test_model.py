@@ -429,5 +429,5 @@ def test_a_disk_that_fills_before_the_config_gets_its_name_is_insufficient_space
         prepare(top, "mine", "s3://b/m")
     assert info.value.exit_code == ExitCode.INSUFFICIENT_SPACE
     assert str(info.value) == (
-        f"s3://b/m: writing {top / 'config.pbtxt'}: the staging filesystem is full — free space on the node"
+        f"s3://b/m: writing {top / 'config.pbtxt'}: the filesystem is full — free space on the node"
     )

@@ -93,9 +93,9 @@ def publish(layout: NodeLayout, staged: Path, name: str) -> Path:
     under ``staged`` is flushed first (:func:`flush_tree`), the repository folder after. Refuses to replace an
     existing folder (``rename`` onto a non-empty directory fails, and onto an empty one we check first)."""
     target = layout.model_dir(name)
-    if target.exists():
-        raise InstallConflict(_installing(target, name))
     flush_tree(staged)
+    if target.exists():  # checked after the flush, which may take seconds, as close to the rename as can be
+        raise InstallConflict(_installing(target, name))
     try:
         os.rename(staged, target)
     except OSError as exc:
@@ -169,7 +169,7 @@ def disk_error(doing: str, exc: OSError) -> TritonshareError:
     """A full disk (or quota) is InsufficientSpace, another failed write a node problem (exit 1)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return InsufficientSpace(f"{doing}: the filesystem is full — free space on the node")
-    return TritonshareError(f"{doing} failed: {exc} — check the node's disk")
+    return TritonshareError(f"{doing} failed: {exc.strerror or exc} — check the node's disk and the folder's owner")
 
 
 def _move_error(layout: NodeLayout, source: Path, target: Path, exc: OSError) -> TritonshareError:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import bisect
 import difflib
-import errno
 import logging
 import os
 import re
@@ -47,7 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tritonshare.common.errors import InsufficientSpace, InvalidModel, TritonshareError
+from tritonshare.common.errors import InvalidModel
+from tritonshare.common.repository import disk_error
 
 logger = logging.getLogger(__name__)
 
@@ -349,11 +349,7 @@ def _editing(label: str, doing: str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise InsufficientSpace(
-                f"{label}: {doing}: the staging filesystem is full — free space on the node"
-            ) from exc
-        raise TritonshareError(f"{label}: {doing} failed: {exc}") from exc
+        raise disk_error(f"{label}: {doing}", exc) from exc
 
 
 def block_bytecode(root: Path) -> None:
