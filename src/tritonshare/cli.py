@@ -25,7 +25,7 @@ from tritonshare.common.command import (
     staging_option,
     termination_log_option,
 )
-from tritonshare.common.errors import ExitCode, TritonshareError
+from tritonshare.common.errors import TritonshareError
 from tritonshare.common.layout import (
     NodeLayout,
     check_model_name,
@@ -213,7 +213,12 @@ def unload(
     timeout_s: float,
 ) -> None:
     """Drop this pod's lease on NAME and, unless another pod still uses it, remove NAME from the repository
-    (rename out, then delete) and wait until Triton unloads it."""
+    (rename out, then delete) and wait until Triton unloads it.
+
+    Exit codes: 0 removed, or kept for another pod; 13 Triton kept it LOADING past --timeout-s; 16 Triton did
+    not answer (it may be starting up and loading it): the folder stays for `tritonshare gc`. In both failure
+    cases this pod's lease is dropped.
+    """
     from tritonshare.common.unload import UnloadSettings, unload_model
 
     settings = UnloadSettings(
@@ -225,11 +230,7 @@ def unload(
         timeout_s=timeout_s,
     )
 
-    def action() -> int:
-        result = unload_model(settings)
-        return ExitCode.OK if result.done else ExitCode.READINESS_TIMEOUT
-
-    run_command(action)
+    run_command(lambda: unload_model(settings).exit_code)
 
 
 @main.command()

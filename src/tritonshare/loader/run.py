@@ -15,9 +15,11 @@ Phases, each logged with its duration::
     publish   record + one rename into repository/NAME
     load      Triton reports it ready (poll) or loaded it (explicit)
 
-On any failure nothing new stays in staging or the repository: the staging folder is discarded, and a
-published folder Triton could not load is taken back out (rename out, then delete) — except while Triton
-is LOADING it, where removing it would hang Triton's polling for every model (REFERENCE §2).
+On any failure nothing new stays in staging: the staging folder is discarded, and a published folder Triton
+could not load is taken back out (rename out, then delete) — only one this loader published (never one it
+reused), only while no other pod's lease on NAME is fresh, and never while Triton is LOADING it or does not
+answer (it may be starting up and loading it): removing a folder mid-load hangs Triton's polling for every
+model (REFERENCE §2).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from tritonshare.common.layout import NodeLayout, check_model_name
 from tritonshare.common.lease import DEFAULT_TTL_S, Clock, LeaseStore
 from tritonshare.common.repository import discard, new_staging_dir, read_record
 from tritonshare.common.triton import TritonClient
+from tritonshare.common.unload import request_unload
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class Collector:
             if trash is None:
                 return None
             self.store.drop(name)
+            request_unload(self.client, name)  # explicit mode keeps serving a removed folder until asked
         logger.info("moved %s out of the repository to %s", self.settings.layout.model_dir(name), trash)
         return Removal(kind="model", name=name, path=self.settings.layout.model_dir(name), reason=reason), trash
 
