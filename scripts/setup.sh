@@ -16,7 +16,7 @@ BENCH=0; [ "${1:-}" = "--bench" ] && BENCH=1
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
 need_apt=()
-for pair in nginx:nginx wrk:wrk h2load:nghttp2-client promtool:prometheus bsdtar:libarchive-tools; do
+for pair in nginx:nginx wrk:wrk h2load:nghttp2-client promtool:prometheus bsdtar:libarchive-tools strace:strace; do
   command -v "${pair%%:*}" >/dev/null 2>&1 || need_apt+=("${pair#*:}")
 done
 if [ "$BENCH" = 1 ]; then

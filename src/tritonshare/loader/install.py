@@ -11,7 +11,6 @@ a conflict, never overwritten.
 from __future__ import annotations
 
 import enum
-import errno
 import hashlib
 import logging
 import time
@@ -19,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tritonshare.common.errors import InstallConflict, InsufficientSpace
+from tritonshare.common.errors import InstallConflict
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import DEFAULT_TTL_S, Holder, LeaseStore
 from tritonshare.common.repository import InstallRecord, publish, read_record, retire, write_record
@@ -74,15 +73,7 @@ def install(layout: NodeLayout, root: Path, record: InstallRecord) -> Installed:
     """Record what ``root`` is, then publish it as ``repository/NAME`` with one rename. If another loader
     of the same source published first, its copy is reused and ``root`` is left to the caller to discard."""
     stamped = InstallRecord(name=record.name, source=record.source, digest=record.digest, installed_at=time.time())
-    try:
-        write_record(root, stamped)
-    except OSError as exc:
-        if exc.errno != errno.ENOSPC:
-            raise
-        raise InsufficientSpace(
-            f"{record.source}: the disk holding {layout.staging} is full (it filled up while installing "
-            f"{record.name}) — free space in the node folder and retry"
-        ) from exc
+    write_record(root, stamped)  # a full disk raises InsufficientSpace there
     try:
         return Installed(publish(layout, root, record.name), reused=False)
     except InstallConflict:
