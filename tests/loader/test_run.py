@@ -8,6 +8,7 @@ import logging
 import os
 import tarfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,6 +136,35 @@ def test_a_name_installed_from_another_source_is_a_conflict_and_keeps_serving(
     expect_failure(InstallConflict, ExitCode.INSTALL_CONFLICT, rf"holds '{model_name}' installed from .*/a, not .*/b",
                    layout, settings(layout, triton, other, model_name))  # fmt: skip
     infer_identity(triton, model_name)
+
+
+def test_a_name_whose_pods_are_gone_is_taken_over_by_a_new_source(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
+) -> None:
+    # Pod A installed version a, then was killed without SIGTERM: its lease stopped being refreshed.
+    cleanup.append(model_name)
+    assert run(settings(layout, triton, write_model(tmp_path / "a"), model_name, holder=POD_A)) == ExitCode.OK
+    time.sleep(1.2)  # pod A's lease is older than the 1 s TTL below
+    newer = write_model(tmp_path / "b")
+    conf = settings(layout, triton, newer, model_name, holder=POD_B, lease_ttl_s=1.0)
+    assert run(conf) == ExitCode.OK  # not 14: nobody uses version a any more
+    assert read_record(layout.model_dir(model_name)).source.endswith("/b")  # type: ignore[union-attr]
+    assert [lease.holder.uid for lease in LeaseStore(layout.leases).leases(model_name)] == [POD_B.uid]
+    infer_identity(triton, model_name)
+    LeaseStore(layout.leases).forget(model_name, POD_B)
+
+
+@pytest.mark.parametrize("why", ["pod A's lease is fresh", "installed by hand just now (no lease)"])
+def test_a_name_in_use_or_just_installed_is_not_taken_over(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str], why: str
+) -> None:
+    cleanup.append(model_name)
+    holder = POD_A if "fresh" in why else None
+    assert run(settings(layout, triton, write_model(tmp_path / "a"), model_name, holder=holder)) == ExitCode.OK
+    expect_failure(InstallConflict, ExitCode.INSTALL_CONFLICT, rf"holds '{model_name}' installed from .*/a, not .*/b",
+                   layout, settings(layout, triton, write_model(tmp_path / "b"), model_name, holder=POD_B))  # fmt: skip
+    infer_identity(triton, model_name)
+    LeaseStore(layout.leases).forget(model_name, POD_A)
 
 
 def test_a_model_larger_than_the_free_space_is_refused_before_downloading(

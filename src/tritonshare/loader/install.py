@@ -14,7 +14,7 @@ import enum
 import hashlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,6 +144,44 @@ def withdraw(
             logger.info("took %s back out of the repository", name)
             request_unload(client, name)
     return Withdrawal.REMOVED
+
+
+def take_over(
+    layout: NodeLayout,
+    wanted: InstallRecord,
+    client: TritonClient,
+    *,
+    holder: Holder | None,
+    lease_ttl_s: float = DEFAULT_TTL_S,
+    clock: Callable[[], float] = time.time,
+) -> bool:
+    """Retire ``repository/NAME`` when it holds another tritonshare install (another source, or the source as
+    it was) that no pod uses any more, so that ``wanted`` can be installed now rather than after gc's next
+    pass: a rollout to a new model version must not wait for the TTL behind a pod killed without SIGTERM, or
+    an unload Triton did not answer. Abandoned means what gc counts: every other pod's lease expired — or no
+    lease at all and installed more than a TTL ago (a load run by hand takes no lease). Never a folder
+    without tritonshare's record, never one in use, never while Triton is LOADING it or does not answer
+    (:func:`withdraw`'s rules). Returns True when NAME is free now."""
+    name = wanted.name
+    found = read_record(layout.model_dir(name))
+    if found is None:
+        return False  # not installed by tritonshare: an operator's folder is never touched
+    leases = LeaseStore(layout.leases, ttl_s=lease_ttl_s)
+    others = [lease for lease in leases.leases(name) if holder is None or lease.holder.uid != holder.uid]
+    if not others and clock() - found.installed_at <= lease_ttl_s:
+        return False  # unleased and recent: maybe a load by hand, gc's rule too
+    if withdraw(layout, name, client, timeout_s=0, holder=holder, lease_ttl_s=lease_ttl_s) is not Withdrawal.REMOVED:
+        return False
+    for lease in others:  # expired (withdraw removes nothing a fresh one holds): they held what is gone
+        leases.forget(name, lease.holder)
+    logger.warning(
+        "took over %s: it held %s (listing digest %s), which no pod uses any more; installing %s",
+        name,
+        found.source,
+        found.digest[:12],
+        wanted.source,
+    )
+    return True
 
 
 def _held_by_others(leases: LeaseStore, name: str, holder: Holder | None) -> bool:

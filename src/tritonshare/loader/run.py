@@ -3,7 +3,8 @@
 Phases, each logged with its duration::
 
     triton    Triton answers (else exit 13 before anything is downloaded)
-    list      the source's objects → listing digest → reuse, conflict (14) or go on
+    list      the source's objects → listing digest → reuse, conflict (14) or go on — NAME held by another
+              install that no pod uses any more (every other lease expired) is retired first
     space     listed bytes vs free space on the staging filesystem (15)
     download  into a fresh staging folder; a source that is one tar archive (.tar, .tar.gz, .tgz) in a store
               that streams (HTTP, S3, GCS) is unpacked as it arrives, the archive never landing on disk (logged
@@ -34,14 +35,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tritonshare.common.command import doing
-from tritonshare.common.errors import ExitCode, InsufficientSpace, ReadinessTimeout, TritonLoadFailed
+from tritonshare.common.errors import ExitCode, InstallConflict, InsufficientSpace, ReadinessTimeout, TritonLoadFailed
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import Heartbeat, LeaseStore
 from tritonshare.common.repository import InstallRecord, discard, new_staging_dir
 from tritonshare.common.triton import TritonClient
 from tritonshare.loader import sources
 from tritonshare.loader.download import MIB, DownloadOptions, download_all, list_objects, listed_bytes
-from tritonshare.loader.install import Installed, Withdrawal, existing, install, listing_digest, withdraw
+from tritonshare.loader.install import Installed, Withdrawal, existing, install, listing_digest, take_over, withdraw
 from tritonshare.loader.model import prepare
 from tritonshare.loader.readiness import MODES, wait_live
 from tritonshare.loader.settings import LoaderSettings
@@ -112,7 +113,7 @@ def run(
     with timings.phase("triton"):
         wait_live(client, timeout_s=settings.timeout_s, interval_s=settings.poll_interval_s)
     with holding_lease(settings):
-        installed = _fetch_and_install(settings, timings, disk_free, open_source)
+        installed = _fetch_and_install(settings, client, timings, disk_free, open_source)
         _await_ready(settings, client, installed, timings)
     logger.info("%s is ready (%s): %s", settings.name, "reused" if installed.reused else "installed", timings.summary())
     return ExitCode.OK
@@ -137,7 +138,7 @@ def holding_lease(settings: LoaderSettings) -> Iterator[None]:
 
 
 def _fetch_and_install(
-    settings: LoaderSettings, timings: Timings, free: DiskFree, open_source: SourceOpener
+    settings: LoaderSettings, client: TritonClient, timings: Timings, free: DiskFree, open_source: SourceOpener
 ) -> Installed:
     source = open_source(settings.source)
     try:
@@ -145,7 +146,7 @@ def _fetch_and_install(
         with timings.phase("list"):
             objects = list_objects(source, options)
         record = InstallRecord(name=settings.name, source=display_uri(settings.source), digest=listing_digest(objects))
-        found = existing(settings.layout, record)
+        found = _existing_or_free(settings, client, record)
         if found is not None:
             when = datetime.fromtimestamp(found.installed_at, timezone.utc).isoformat(timespec="seconds")
             logger.info(
@@ -160,6 +161,17 @@ def _fetch_and_install(
         return _stage(settings, source, objects, record, options, timings, free)
     finally:
         source.close()
+
+
+def _existing_or_free(settings: LoaderSettings, client: TritonClient, record: InstallRecord) -> InstallRecord | None:
+    """NAME's record when it holds this install; None when it is free — or was held by another install that no
+    pod uses any more, retired here (:func:`install.take_over`); InstallConflict otherwise."""
+    try:
+        return existing(settings.layout, record)
+    except InstallConflict:
+        if not take_over(settings.layout, record, client, holder=settings.holder, lease_ttl_s=settings.lease_ttl_s):
+            raise
+        return None
 
 
 def _stage(
