@@ -300,29 +300,6 @@ class GcsEmulator:
         self.bucket(bucket).blob(key).upload_from_string(data)
         return f"gs://{bucket}/{key}"
 
-    def put_multipart(self, bucket: str, key: str, data: bytes, *, part_bytes: int = 5 << 20) -> str:
-        """Store one object as a multipart upload with a full-object CRC64NVME, as S3's SDKs and CLI do since
-        2025: its ETag is no MD5 (``…-N``); only the CRC covers the object."""
-        self.create_bucket(bucket)
-        upload = self.client.create_multipart_upload(
-            Bucket=bucket, Key=key, ChecksumAlgorithm="CRC64NVME", ChecksumType="FULL_OBJECT"
-        )
-        parts = []
-        for number, offset in enumerate(range(0, len(data), part_bytes), 1):
-            chunk = data[offset : offset + part_bytes]
-            answer = self.client.upload_part(
-                Bucket=bucket, Key=key, UploadId=upload["UploadId"], PartNumber=number, Body=chunk,
-                ChecksumAlgorithm="CRC64NVME",
-            )  # fmt: skip
-            parts.append(
-                {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC64NVME": answer["ChecksumCRC64NVME"]}
-            )
-        self.client.complete_multipart_upload(
-            Bucket=bucket, Key=key, UploadId=upload["UploadId"], MultipartUpload={"Parts": parts},
-            ChecksumType="FULL_OBJECT",
-        )  # fmt: skip
-        return f"s3://{bucket}/{key}"
-
     def serve(self, folder: Path, *, bucket: str = "models", prefix: str | None = None) -> str:
         prefix = folder.name if prefix is None else prefix.strip("/")
         for rel, path in files_under(folder):
