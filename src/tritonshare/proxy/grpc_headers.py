@@ -86,6 +86,7 @@ class ClientHeaders:
         self._block_size = 0  # their bytes, frame headers included
         self._block_stream = 0  # their stream
         self._max_streams = state.settings.grpc_max_streams
+        self._active = streams.active  # forwarded streams open (one dict for the table's life)
         self._new_streams = NewStreams(state, streams, answers, to_client)
         # The last new stream's header block and its rule when it was forwarded with nothing else to check (no
         # token to check, Triton reachable, no GOAWAY sent): a client repeats the same block for every call of
@@ -98,22 +99,21 @@ class ClientHeaders:
         self._forwarded = None
 
     def on_headers(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-        if stop - pos > self._max_bytes:
-            raise http2.FrameError(f"header block larger than {self._max_bytes} bytes")
         if flags & _BARE_MASK == http2.END_HEADERS:  # the common case: a whole block, no padding or priority
             fragment = data[pos + _HEADER_SIZE : stop]
-            block = self._known.get(fragment) or self._decoder.decode(fragment)
-            forwarded, streams = self._forwarded, self._streams
+            block = self._known.get(fragment) or self._decode(fragment)  # (a known block was measured)
+            forwarded = self._forwarded
             if (
                 forwarded is not None
                 and forwarded[0] is block
-                and stream_id > streams.client_max
-                and len(streams.active) < self._max_streams
+                and stream_id > self._streams.client_max
+                and len(self._active) < self._max_streams
             ):
-                streams.client_max = stream_id  # a new stream opened as the last one was: forwarded
+                self._streams.client_max = stream_id  # a new stream opened as the last one was: forwarded
                 self._forward(stream_id, forwarded[1], block)
                 return self._plain_frames(stream_id, flags, block) if self._reencode else None
             return self._on_header_block(stream_id, flags, block)
+        self._measure(stop - pos)
         if not flags & http2.END_HEADERS:  # a header block in several frames: its CONTINUATIONs come next
             self._block.append(data[pos:stop])
             self._block_size, self._block_stream = stop - pos, stream_id
@@ -127,8 +127,7 @@ class ClientHeaders:
             raise http2.FrameError("CONTINUATION frame without a HEADERS frame of its stream before it")
         self._block.append(data[pos:stop])
         self._block_size += stop - pos
-        if self._block_size > self._max_bytes:
-            raise http2.FrameError(f"header block larger than {self._max_bytes} bytes")
+        self._measure(self._block_size)
         if not flags & http2.END_HEADERS:
             if len(self._block) > MAX_CONTINUATIONS:
                 raise http2.FrameError(
@@ -142,6 +141,16 @@ class ClientHeaders:
         fragments += [memoryview(f)[_HEADER_SIZE:] for f in frames[1:]]
         result = self._on_header_block(stream_id, first_flags, self._decoder.decode(b"".join(fragments)))
         return b"".join(frames) if result is None else result
+
+    def _decode(self, fragment: bytes) -> HeaderBlock:
+        """A header block in one plain HEADERS frame, seen for the first time on this connection."""
+        self._measure(_HEADER_SIZE + len(fragment))
+        return self._decoder.decode(fragment)
+
+    def _measure(self, size: int) -> None:
+        """A header block's frames so far, headers included, are ``size`` bytes: within max_header_bytes?"""
+        if size > self._max_bytes:
+            raise http2.FrameError(f"header block larger than {self._max_bytes} bytes")
 
     def _on_header_block(self, stream_id: int, flags: int, block: HeaderBlock) -> bytes | None:
         """A complete header block, decoded: judge a new stream, then forward it as is (None), re-encoded
