@@ -125,3 +125,62 @@ def client_streams(recorded: bytes) -> dict[int, Stream]:
             fields = decoder.decode(block)
             streams[block_stream].headers.update({str(k): str(v) for k, v in fields})
     return streams
+
+
+class RawClient:
+    """An HTTP/2 client that writes frames as it is told, on a real socket: what a hostile or broken client sends.
+    Header blocks are encoded by the ``hpack`` package (with incremental indexing, as gRPC clients do)."""
+
+    def __init__(self, port: int, *, timeout_s: float = 10.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+        self.encoder = hpack.Encoder()
+        self._buffer = b""
+        self.sock.sendall(http2.PREFACE + http2.settings())
+
+    def request(self, stream_id: int, path: str, *, end_stream: bool = False) -> bytes:
+        """A gRPC request's HEADERS frame."""
+        fields = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "proxy"),
+                  ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+        flags = http2.END_HEADERS | (http2.END_STREAM if end_stream else 0)
+        return http2.frame(http2.HEADERS, flags, stream_id, self.encoder.encode(fields))
+
+    def frames(
+        self, until: Callable[[list[tuple[int, int, int, bytes]]], bool], timeout_s: float = 10.0
+    ) -> list[tuple[int, int, int, bytes]]:
+        """Frames read (type, flags, stream, payload) until ``until`` holds of them, the peer closes (then the
+        last one is ``(-1, 0, 0, b"")``) or ``timeout_s`` passes."""
+        got: list[tuple[int, int, int, bytes]] = []
+        self.sock.settimeout(timeout_s)
+        while not until(got):
+            while len(self._buffer) >= http2.HEADER_SIZE:
+                length, kind, flags, stream_id = http2.parse_header(self._buffer, 0)
+                if len(self._buffer) < http2.HEADER_SIZE + length:
+                    break
+                got.append((kind, flags, stream_id, self._buffer[http2.HEADER_SIZE : http2.HEADER_SIZE + length]))
+                self._buffer = self._buffer[http2.HEADER_SIZE + length :]
+            if until(got):
+                break
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except TimeoutError:
+                break
+            except ConnectionError:  # reset: bytes it sent were left unread
+                chunk = b""
+            if not chunk:
+                got.append((-1, 0, 0, b""))
+                break
+            self._buffer += chunk
+        return got
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def goaway_code(frames: list[tuple[int, int, int, bytes]]) -> int | None:
+    """The error code of the last GOAWAY among ``frames``, if any."""
+    codes = [int.from_bytes(p[4:8], "big") for kind, _, _, p in frames if kind == http2.GOAWAY]
+    return codes[-1] if codes else None
+
+
+def closed(frames: list[tuple[int, int, int, bytes]]) -> bool:
+    return bool(frames) and frames[-1][0] == -1
