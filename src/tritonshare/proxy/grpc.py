@@ -48,6 +48,16 @@ Access and fairness (issue 9; each off unless its option is given):
   on change for new connections (:mod:`tritonshare.proxy.tls`); Triton is reached in plain text, on the
   node.
 
+Limits per client connection (what one tenant may cost the proxy and the shared Triton): a frame longer than
+Triton's SETTINGS_MAX_FRAME_SIZE (16 KiB until Triton's SETTINGS pass) is refused at its header with GOAWAY
+FRAME_SIZE_ERROR, before it is held; a header block is held to ``max_header_bytes`` and 32 CONTINUATION frames
+(more: ENHANCE_YOUR_CALM); ``grpc_max_streams`` (128) forwarded streams may be open at once — added to Triton's
+SETTINGS as MAX_CONCURRENT_STREAMS, one more is refused with REFUSED_STREAM; streams ended early (the client's
+RST_STREAM, a refused message) take from a budget of 1000 refilled at 100 a second, past which the connection
+ends with GOAWAY ENHANCE_YOUR_CALM (HTTP/2 rapid reset, CVE-2023-44487); while the proxy's writes to the client
+back up, the client is not read either (its refusals and window credits cannot pile up); a connection with no
+stream open for ``grpc_idle_timeout_s`` (300 s) gets GOAWAY NO_ERROR and is closed, freeing its Triton connection.
+
 Accounting (:class:`ProxyState`): a forwarded stream is in flight from its HEADERS until Triton's trailers
 (code = their grpc-status, e.g. ``ok``, ``invalid_argument``), a RST_STREAM (``reset`` by Triton,
 ``cancelled`` by the client) or the connection's end (``closed``); refusals carry the proxy's status

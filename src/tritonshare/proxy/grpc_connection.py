@@ -18,7 +18,7 @@ from tritonshare.proxy.grpc_admission import StreamGate
 from tritonshare.proxy.grpc_answers import LocalAnswers
 from tritonshare.proxy.grpc_headers import ClientHeaders
 from tritonshare.proxy.grpc_messages import MessageInspector, Refusal
-from tritonshare.proxy.grpc_streams import PROTOCOL, ResetBudget, Stream, StreamTable
+from tritonshare.proxy.grpc_streams import PROTOCOL, IdleWatch, ResetBudget, Stream, StreamTable
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
 from tritonshare.proxy.hpack_codec import HpackError
 from tritonshare.proxy.state import ProxyState
@@ -71,9 +71,7 @@ class ClientConnection(asyncio.Protocol):
         self._max_streams = state.settings.grpc_max_streams
         self._paused = 0  # why reading the client is paused (_TRITON_FULL | _CLIENT_FULL | _PENDING_FULL)
         self._resets = ResetBudget()
-        self._idle: asyncio.TimerHandle | None = None  # the idle check, once the client has sent bytes
-        self._busy = False  # a stream was open at the last idle check
-        self._idle_mark = 0  # the highest stream id at the last idle check
+        self._idle: IdleWatch | None = None  # once the client has sent bytes
         self._streams = StreamTable(state, self._credit)
         self._active = self._streams.active  # read for every DATA frame
         self._answers = LocalAnswers(state, self._streams, self._to_client, self._close_if_drained)
@@ -129,7 +127,7 @@ class ClientConnection(asyncio.Protocol):
         assert client is not None
         try:
             upstream = await asyncio.wait_for(
-                self._host.open_upstream(lambda: UpstreamConnection(self, client)),
+                self._host.open_upstream(lambda: UpstreamConnection(self, client, self._max_streams)),
                 self._state.settings.connect_timeout_s,
             )
         except (OSError, TimeoutError) as exc:
@@ -195,18 +193,10 @@ class ClientConnection(asyncio.Protocol):
         if bool(before) != bool(self._paused):
             _pause_reading(self.transport, paused)
 
-    def triton_settings(self, frame: bytes) -> bytes:
-        """Triton's SETTINGS on their way to the client: the client may send frames as large as Triton says from
-        now on, and is told the proxy's cap on its concurrent streams when Triton's is higher (or none)."""
-        try:
-            pairs = http2.settings_pairs(memoryview(frame)[_HEADER_SIZE:])
-        except http2.FrameError:
-            return frame  # for the client to object to
-        self._max_frame = max(self._max_frame, pairs.get(http2.SETTINGS_MAX_FRAME_SIZE, 0))
-        if pairs.get(http2.SETTINGS_MAX_CONCURRENT_STREAMS, self._max_streams + 1) <= self._max_streams:
-            return frame
-        pairs[http2.SETTINGS_MAX_CONCURRENT_STREAMS] = self._max_streams
-        return http2.settings(pairs)
+    def client_may_send(self, max_frame_size: int) -> None:
+        """Triton's SETTINGS_MAX_FRAME_SIZE is on its way to the client (never lowered: frames sent before the
+        client read it may be in flight)."""
+        self._max_frame = max(self._max_frame, max_frame_size)
 
     def begin_drain(self) -> None:
         """GOAWAY: the client opens no new stream here; streams it already opened go on."""
@@ -278,24 +268,16 @@ class ClientConnection(asyncio.Protocol):
 
     def _first_bytes(self) -> None:
         """The client spoke: Triton's connection opens, and the connection is closed once idle for long."""
-        loop = asyncio.get_running_loop()
         self._silence.cancel()
-        self._connecting = loop.create_task(self._connect())
-        idle_s = self._state.settings.grpc_idle_timeout_s
-        if idle_s > 0:
-            self._idle = loop.call_later(idle_s, self._check_idle, idle_s)
+        self._connecting = asyncio.get_running_loop().create_task(self._connect())
+        if (idle_s := self._state.settings.grpc_idle_timeout_s) > 0:
+            self._idle = IdleWatch(self._streams, lambda: bool(self._answers.tasks), self._end_idle, idle_s)
 
-    def _check_idle(self, idle_s: float) -> None:
-        """Once every ``idle_s``: a connection that had no stream open since the last check goes away (GOAWAY
-        NO_ERROR: clients reconnect when they need to), so an unused one does not hold a Triton connection."""
-        streams = self._streams
-        busy = bool(streams.active or self._answers.tasks)
-        if not (busy or self._busy or streams.client_max != self._idle_mark):
-            logger.info("closing a gRPC client connection that had no stream open for %.0f s", idle_s)
-            self._close_with(http2.goaway(streams.client_max))
-            return
-        self._busy, self._idle_mark = busy, streams.client_max
-        self._idle = asyncio.get_running_loop().call_later(idle_s, self._check_idle, idle_s)
+    def _end_idle(self) -> None:
+        """No stream for a while: GOAWAY NO_ERROR (clients reconnect when they need to), so an unused connection
+        does not hold one of Triton's."""
+        logger.info("closing a gRPC client connection that had no stream open for a while")
+        self._close_with(http2.goaway(self._streams.client_max))
 
     def _relay(self, data: bytes) -> None:
         try:

@@ -12,6 +12,7 @@ and credits the client's window for the frames it held back from Triton meanwhil
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,6 +152,35 @@ class ResetBudget:
                 f"{RESET_BURST} (HTTP/2 rapid reset)",
                 http2.ENHANCE_YOUR_CALM,
             )
+
+
+class IdleWatch:
+    """Ends a connection that had no stream open for a whole ``period_s`` (so for ``period_s`` to twice that),
+    checked once a period: nothing is done per frame or per stream."""
+
+    def __init__(
+        self, streams: StreamTable, busy: Callable[[], bool], end: Callable[[], None], period_s: float
+    ) -> None:
+        """``busy``: is anything but a stream going on (an answer in progress)? ``end``: ends the connection."""
+        self._streams = streams
+        self._busy = busy
+        self._end = end
+        self._period_s = period_s
+        self._was_busy = False  # a stream was open at the last check
+        self._mark = streams.client_max  # the highest stream id then
+        self._timer = asyncio.get_running_loop().call_later(period_s, self._check)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def _check(self) -> None:
+        streams = self._streams
+        busy = bool(streams.active) or self._busy()
+        if not (busy or self._was_busy or streams.client_max != self._mark):
+            self._end()
+            return
+        self._was_busy, self._mark = busy, streams.client_max
+        self._timer = asyncio.get_running_loop().call_later(self._period_s, self._check)
 
 
 def _remember(ids: dict[int, None], stream_id: int) -> None:

@@ -47,15 +47,17 @@ class StreamOwner(Protocol):
 
     def upstream_paused(self, paused: bool) -> None: ...
 
-    def triton_settings(self, frame: bytes) -> bytes: ...  # Triton's SETTINGS frame read: the frame to pass on
+    def client_may_send(self, max_frame_size: int) -> None: ...  # Triton's SETTINGS_MAX_FRAME_SIZE, read
 
 
 class UpstreamConnection(asyncio.Protocol):
     """The connection to Triton that serves exactly one client connection."""
 
-    def __init__(self, owner: StreamOwner, client: asyncio.Transport) -> None:
+    def __init__(self, owner: StreamOwner, client: asyncio.Transport, max_streams: int) -> None:
+        """``max_streams``: the cap on the client's concurrent streams the proxy advertises, if Triton's is higher."""
         self._owner = owner
         self._client = client
+        self._max_streams = max_streams
         self.transport: asyncio.Transport | None = None
         self._left = 0  # payload bytes of the current frame not yet received
         self._mode = _PASS  # what to do with those bytes
@@ -230,7 +232,7 @@ class UpstreamConnection(asyncio.Protocol):
         if kind == http2.GOAWAY:
             return [self._clamp_goaway(frame)]
         if kind == http2.SETTINGS:
-            return [self._owner.triton_settings(frame)]
+            return [self._settings(frame)]
         self._block.append(frame)
         if not flags & http2.END_HEADERS:
             return []
@@ -244,6 +246,19 @@ class UpstreamConnection(asyncio.Protocol):
         status = block.status if block is not None else None
         self._owner.response_headers(stream_id, bool(first_flags & http2.END_STREAM), status)
         return frames
+
+    def _settings(self, frame: bytes) -> bytes:
+        """Triton's SETTINGS on their way to the client: the largest frame the client may send from now on is
+        Triton's, and the client is told the proxy's cap on its concurrent streams when Triton's is higher."""
+        try:
+            pairs = http2.settings_pairs(memoryview(frame)[http2.HEADER_SIZE :])
+        except http2.FrameError:
+            return frame  # for the client to object to
+        self._owner.client_may_send(pairs.get(http2.SETTINGS_MAX_FRAME_SIZE, http2.DEFAULT_MAX_FRAME_SIZE))
+        if pairs.get(http2.SETTINGS_MAX_CONCURRENT_STREAMS, self._max_streams + 1) <= self._max_streams:
+            return frame
+        pairs[http2.SETTINGS_MAX_CONCURRENT_STREAMS] = self._max_streams
+        return http2.settings(pairs)
 
     def _decode(self, fragment: bytes) -> HeaderBlock | None:
         if self._decoder is None:

@@ -3,7 +3,8 @@
 The policy table (:mod:`tritonshare.proxy.policy`) judges the stream's ``:path``; before its verdict is acted
 on, a block that is malformed, a caller without a valid bearer token (when tokens are on; the probes stay
 open), an unreachable Triton and a drain each have their answer. READY is answered with the own model's
-readiness and DENY refused, here; what is left goes to Triton (the relay forwards it).
+readiness and DENY refused, here; what is left goes to Triton (the relay forwards it), unless the client already
+has ``grpc_max_streams`` streams open there (REFUSED_STREAM, which clients retry).
 """
 
 from __future__ import annotations
