@@ -38,6 +38,11 @@ def check_model_name(name: str) -> str:
     return name
 
 
+def is_model_name(name: str) -> bool:
+    """Whether ``name`` is a valid model name (:func:`check_model_name` without the error)."""
+    return bool(_NAME.fullmatch(name)) and name not in (".", "..")
+
+
 @dataclass(frozen=True, kw_only=True)
 class NodeLayout:
     repository: Path = DEFAULT_REPOSITORY

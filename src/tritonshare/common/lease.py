@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tritonshare.common.errors import UsageError
-from tritonshare.common.layout import DEFAULT_LEASES, check_model_name
+from tritonshare.common.layout import DEFAULT_LEASES, check_model_name, is_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class LeaseStore:
             entries = sorted(self.root.iterdir())
         except FileNotFoundError:
             return []
-        return [p.name for p in entries if p.is_dir() and _is_model_name(p.name)]
+        return [p.name for p in entries if p.is_dir() and is_model_name(p.name)]
 
     def drop(self, name: str) -> None:
         """Remove every lease on NAME (once the model is gone). Call it under :meth:`lock`."""
@@ -245,14 +245,6 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.beat()
-
-
-def _is_model_name(name: str) -> bool:
-    try:
-        check_model_name(name)
-    except UsageError:
-        return False
-    return True
 
 
 def _encode(lease: Lease) -> bytes:

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from tritonshare.common.errors import ExitCode, TritonshareError, TritonUnavailable, UsageError
-from tritonshare.common.layout import NodeLayout, check_model_name
+from tritonshare.common.errors import ExitCode, TritonshareError, TritonUnavailable
+from tritonshare.common.layout import NodeLayout, is_model_name
 from tritonshare.common.lease import DEFAULT_TTL_S, Clock, LeaseStore
 from tritonshare.common.repository import discard, new_staging_dir, read_record
 from tritonshare.common.triton import TritonClient
@@ -169,7 +169,7 @@ class Collector:
     def _entry(self, path: Path) -> re.Match[str] | None:
         """PATH's NAME and PURPOSE if tritonshare made it, else None (logged once)."""
         match = _STAGING_ENTRY.fullmatch(path.name)
-        if match is None or not _is_model_name(match["name"]):
+        if match is None or not is_model_name(match["name"]):
             if path.name not in self._foreign:
                 self._foreign.add(path.name)
                 logger.info(
@@ -261,21 +261,11 @@ def _rename_out(layout: NodeLayout, name: str) -> Path | None:
     return trash
 
 
-def _is_model_name(name: str) -> bool:
-    try:
-        check_model_name(name)
-    except UsageError:
-        return False
-    return True
-
-
 def _keyable(name: str) -> bool:
-    try:
-        check_model_name(name)
-    except UsageError:
-        logger.warning("gc leaves %s alone: its folder name is not a valid model NAME, so no lease can name it", name)
-        return False
-    return True
+    if is_model_name(name):
+        return True
+    logger.warning("gc leaves %s alone: its folder name is not a valid model NAME, so no lease can name it", name)
+    return False
 
 
 def _installed_at(model_dir: Path) -> float | None:
