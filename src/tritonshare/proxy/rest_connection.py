@@ -12,9 +12,12 @@ refused after admission (its body fails the check), or when the client goes — 
 whole keeps its slot until Triton has answered it (the response is read and dropped), so clients that give up
 and retry cannot push more than the cap into Triton.
 
-Bytes of a next (pipelined) request wait until the response is complete. A request head must be complete
-within ``header_timeout_s`` of its first byte (else 408 and close: slowloris); a keep-alive connection idle
-for ``idle_timeout_s`` is closed (:meth:`ClientConnection.expire`, called every second by the front end).
+Bytes of a next (pipelined) request wait until the response is complete, and while the client is not reading
+what the proxy writes (its write buffer is full: reading from the client pauses too, so refusals the proxy
+answers itself cannot pile up in memory). A request head must be complete within ``header_timeout_s`` of its
+first byte, and a request body may not stop for that long (else 408 and close: slowloris; a stalled body also
+gives back its admission slot); a keep-alive connection idle for ``idle_timeout_s`` is closed
+(:meth:`ClientConnection.expire`, called every second by the front end).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from tritonshare.proxy.inspect import ESCAPE, BodyRefused, InferBodyCheck, Reque
 from tritonshare.proxy.metrics import BUCKETS
 from tritonshare.proxy.policy import REST_SERVER_ROUTES, SHM_MARKER
 from tritonshare.proxy.rest_exchange import Exchange
-from tritonshare.proxy.rest_upstream import CONNECTING, PROTOCOL, Upstream
+from tritonshare.proxy.rest_upstream import CONNECTING, PROTOCOL, UPSTREAM_FULL, Upstream
 
 if TYPE_CHECKING:
     from tritonshare.proxy.rest import Judged, RestFrontend
@@ -46,8 +49,9 @@ READY_ROUTE = REST_SERVER_ROUTES["/v2/health/ready"].route  # not ready from the
 _EMPTY_LINES = re.compile(rb"(?:\r\n)*")
 
 # Why client reading is paused (bits; CONNECTING = 1 and UPSTREAM_FULL = 2 come from rest_upstream): a pipelined
-# request waiting for the current response, a request waiting for an admission slot.
-_BACKLOG, _ADMISSION = 4, 8
+# request waiting for the current response, a request waiting for an admission slot, the client not reading.
+_BACKLOG, _ADMISSION, _CLIENT_FULL = 4, 8, 16
+_OURS = CONNECTING | UPSTREAM_FULL  # pauses that are the proxy's doing, not the client's: no timeout runs
 
 _REFUSAL_REASONS = {400: "bad_request", 403: "denied", 404: "not_found", 405: "method"}
 _UNAVAILABLE = "the inference server is unavailable; retry later"
@@ -76,10 +80,10 @@ class ClientConnection(asyncio.Protocol):
         self.closing = False
         self.paused = 0
         self.linger: asyncio.TimerHandle | None = None
-        self.served = 0  # exchanges completed (the timeout sweep's sign of progress)
-        self.seen = 0  # ``served`` at the last sweep that saw progress
+        self.progress = 0  # heads accepted, body reads, exchanges completed: the timeout sweep's sign of life
+        self.seen = 0  # ``progress`` at the last sweep that saw it move
         self.idle_since = 0.0
-        self.head_since: float | None = None  # the first sweep that saw an incomplete head
+        self.stalled_since: float | None = None  # the first sweep that saw a head or a body stall
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
@@ -160,12 +164,16 @@ class ClientConnection(asyncio.Protocol):
             self.fe.pool.give(upstream)  # kept for another client if it is idle, else closed
 
     def pause_writing(self) -> None:
+        """The client is not reading: stop reading Triton's response, and the client's next requests (their
+        answers would pile up here)."""
         if self.upstream is not None:
             self.upstream.pause_reading()
+        self.pause(_CLIENT_FULL)
 
     def resume_writing(self) -> None:
         if self.upstream is not None:
             self.upstream.resume_reading()
+        self.unpause(_CLIENT_FULL)
 
     def drain(self) -> None:
         """Draining: an idle connection closes now; a busy one after its current response."""
@@ -179,19 +187,30 @@ class ClientConnection(asyncio.Protocol):
             self.transport.abort()
 
     def expire(self, now: float) -> None:
-        """The timeout sweep: close a connection whose head is incomplete for too long, or that is idle."""
+        """The timeout sweep: close a connection whose head is incomplete, or whose body stopped coming, for
+        ``header_timeout_s``, or that is idle for ``idle_timeout_s``."""
         if self.closing:
             return
-        if self.exchange is not None or self.served != self.seen:
-            self.seen, self.idle_since, self.head_since = self.served, now, None
-        elif self.buf:
-            if self.head_since is None:
-                self.head_since = now
-            elif now - self.head_since >= self.fe.header_timeout_s:
-                message = f"the request head was not complete within {self.fe.header_timeout_s:g} s"
-                self._give_up(None, 408, message, "header_timeout")
-        elif now - self.idle_since >= self.fe.idle_timeout_s:
-            self._shutdown()
+        ex = self.exchange
+        waiting = ex is not None and (ex.request_done or ex.ticket is not None or self.paused & _OURS)
+        if self.progress != self.seen or waiting:
+            self.seen, self.idle_since, self.stalled_since = self.progress, now, None
+        elif ex is None and not self.buf:
+            if now - self.idle_since >= self.fe.idle_timeout_s:
+                self._shutdown()
+        elif self.stalled_since is None:
+            self.stalled_since = now
+        elif now - self.stalled_since >= self.fe.header_timeout_s:
+            self._time_out(ex)
+
+    def _time_out(self, ex: Exchange | None) -> None:
+        """408 and close: the head (``ex`` None) or the body did not come in time."""
+        limit = self.fe.header_timeout_s
+        if ex is None:
+            self._give_up(None, 408, f"the request head was not complete within {limit:g} s", "header_timeout")
+        else:
+            message = f"the request body stopped: no byte of it for {limit:g} s"
+            self._give_up(ex, 408, None if self._answered(ex) else message, "body_timeout")
 
     # ------------------------------------------------------------------------------------ requests
 
@@ -199,6 +218,9 @@ class ClientConnection(asyncio.Protocol):
         while data and not self.closing:
             ex = self.exchange
             if ex is None:
+                if self.paused & _CLIENT_FULL:  # answers wait for the client to read them: so does its next request
+                    self.buf = data
+                    return
                 data = self._read_head(data)
             elif ex.request_done:  # a pipelined request: it waits for the current response
                 self.buf = data
@@ -234,6 +256,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _start(self, judged: Judged, rest: bytes) -> bytes:
         ex = self.exchange = self.spare.start(judged)
+        self.progress += 1
         tokens = self.state.auth
         if self.state.draining and (not self.drain_grace or judged.route == READY_ROUTE):
             self._refuse(ex, 503, "the proxy is shutting down; retry on another replica", "draining", close=True)
@@ -322,6 +345,8 @@ class ClientConnection(asyncio.Protocol):
             except BodyRefused as exc:
                 self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
                 return rest
+            ex.held = True  # not in flight until the check passes, but a drain waits for it
+            self.state.held += 1
         ex.body = RequestBody(judged.length, head.chunked, check)
         if head.expect_continue:
             self._write(CONTINUE)
@@ -334,6 +359,7 @@ class ClientConnection(asyncio.Protocol):
     def _read_body(self, ex: Exchange, data: bytes) -> bytes:
         body = ex.body
         assert body is not None
+        self.progress += 1
         was_ready = body.ready
         try:
             end = body.feed(data)
@@ -356,6 +382,8 @@ class ClientConnection(asyncio.Protocol):
         """Forward: the request is in flight from here on."""
         ex.forwarded = True
         ex.started = ex.judged.meter.begin()
+        if ex.held:
+            self._unhold(ex)
         self._upstream().request(data)
 
     def _request_done(self, ex: Exchange) -> None:
@@ -366,13 +394,13 @@ class ClientConnection(asyncio.Protocol):
     def _finish(self) -> None:
         """Both the request and its response are complete: on to the next request, if any."""
         self.exchange = None
-        self.served += 1
+        self.progress += 1
         if self.close_after:
             self._shutdown()
             return
         if self.paused & _BACKLOG:
-            self.unpause(_BACKLOG)
-        if self.buf and not self.paused:
+            self.unpause(_BACKLOG)  # and on to the next request, unless something else pauses
+        elif self.buf and not self.paused:
             data, self.buf = self.buf, b""
             self._consume(data)
 
@@ -382,6 +410,12 @@ class ClientConnection(asyncio.Protocol):
         if ex.holding:
             ex.holding = False
             self.state.admission.release()
+        if ex.held:
+            self._unhold(ex)
+
+    def _unhold(self, ex: Exchange) -> None:
+        ex.held = False
+        self.state.held -= 1
 
     # ------------------------------------------------------------------------------------ answers
 
@@ -408,9 +442,14 @@ class ClientConnection(asyncio.Protocol):
     def _fail(self, exc: HttpError) -> None:
         """A request that cannot be read further (malformed head or chunked body): answer and close."""
         logger.debug("malformed request: %s", exc.message)
-        ex, upstream = self.exchange, self.upstream
-        answered = ex is not None and ex.forwarded and upstream is not None and upstream.answered  # on its way
+        ex = self.exchange
+        answered = ex is not None and self._answered(ex)
         self._give_up(ex, exc.status, None if answered else exc.message, exc.reason)
+
+    def _answered(self, ex: Exchange) -> bool:
+        """Triton's answer to this request is on its way to the client: the proxy cannot answer it any more."""
+        upstream = self.upstream
+        return ex.forwarded and upstream is not None and upstream.answered
 
     def _give_up(self, ex: Exchange | None, status: int, message: str | None, reason: str) -> None:
         """End the exchange (if any, and not answered yet) with ``status``, say ``message`` unless None, and
@@ -459,11 +498,17 @@ class ClientConnection(asyncio.Protocol):
         self.paused |= reason
 
     def unpause(self, reason: int) -> None:
+        """Resume reading unless something else pauses; bytes that came meanwhile are read now (they may hold
+        a whole request, and the client may send nothing more)."""
         if not self.paused & reason:
             return
         self.paused &= ~reason
-        if not self.paused and self.transport is not None and not self.closing:
-            self.transport.resume_reading()
+        if self.paused or self.transport is None or self.closing:
+            return
+        self.transport.resume_reading()
+        if self.exchange is None and self.buf:
+            data, self.buf = self.buf, b""
+            self._consume(data)
 
     # ------------------------------------------------------------------------------------ Triton side
 
@@ -511,7 +556,7 @@ class ClientConnection(asyncio.Protocol):
             self._finish()
         else:  # what _finish comes to when nothing else waits
             self.exchange = None
-            self.served += 1
+            self.progress += 1
 
     def response_failed(self, *, answered: bool) -> None:
         if self.exchange is not None:

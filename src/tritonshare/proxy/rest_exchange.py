@@ -16,7 +16,9 @@ class Exchange:
     one request at a time, so it keeps one Exchange and restarts it per request (:meth:`start`): resetting
     the fields costs a third of what building a new object does, on the path every request takes."""
 
-    __slots__ = ("judged", "body", "forwarded", "started", "request_done", "response_done", "holding", "ticket")
+    __slots__ = (
+        "judged", "body", "forwarded", "started", "request_done", "response_done", "holding", "ticket", "held"
+    )  # fmt: skip
 
     judged: Judged
     body: RequestBody | None  # a body still to read
@@ -26,11 +28,12 @@ class Exchange:
     response_done: bool
     holding: bool  # holds an admission slot
     ticket: admission.Ticket | None  # waiting for an admission slot
+    held: bool  # its body is held for the check, not forwarded yet: counted in ``ProxyState.held``
 
     def start(self, judged: Judged) -> Exchange:
         self.judged = judged
         self.body = self.ticket = None
-        self.forwarded = self.request_done = self.response_done = self.holding = False
+        self.forwarded = self.request_done = self.response_done = self.holding = self.held = False
         self.started = 0.0
         return self
 
@@ -43,5 +46,5 @@ class Exchange:
         ex = cls()
         ex.body = ex.ticket = None
         ex.forwarded = ex.request_done = True
-        ex.response_done = ex.holding = False
+        ex.response_done = ex.holding = ex.held = False
         return ex

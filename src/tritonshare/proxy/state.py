@@ -68,6 +68,7 @@ class ProxyState:
         self.auth = BearerTokens(settings.auth_token_file, registry=registry) if settings.auth_token_file else None
         self.tls = TlsCertificates.from_options(settings.tls_cert, settings.tls_key, registry=registry)
         self.draining = False
+        self.held = 0  # REST requests whose body is held for its check: not in flight yet, but a drain waits
         self._flight = self.metrics.flight  # in flight, every protocol: what a drain waits for
 
     @property
@@ -84,8 +85,8 @@ class ProxyState:
         self.metrics.observe(protocol, route, code, time.perf_counter() - started)
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until nothing is in flight and no request waits for an admission slot (a REST request
-        waiting for one is not in flight yet); False if the timeout passed first."""
+        """Wait until nothing is in flight, no request waits for an admission slot and no REST request body
+        is held for its check (such requests are not in flight yet); False if the timeout passed first."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
@@ -98,7 +99,7 @@ class ProxyState:
                     return False
                 finally:
                     self._flight.on_idle = None
-            if self.admission.idle:
+            if self.admission.idle and not self.held:
                 return True
             if loop.time() >= deadline:
                 return False

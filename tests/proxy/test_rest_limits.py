@@ -1,0 +1,120 @@
+"""Limits of the REST front end against the real Triton: a request body that stops coming is timed out and gives
+back its admission slot; a header Triton would not take is refused here (431), not forwarded into a 502;
+an upload the proxy still holds for its check when SIGTERM comes is completed, not cut."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests.proxy.conftest import ServedModels
+from tests.proxy.test_rest import LocalRest, Raw, error_of, infer_body, request
+from tests.support.proxy import ProxyProcess
+from tests.support.triton import TritonServer
+from tritonshare.proxy.http1 import MAX_FIELD_BYTES
+from tritonshare.proxy.settings import ProxySettings
+
+pytestmark = pytest.mark.triton
+
+
+def _infer_head(own: str, length: int) -> bytes:
+    return f"POST /v2/models/{own}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode()
+
+
+@pytest.mark.parametrize("forwarded", [False, True], ids=["held-for-the-check", "streaming-to-triton"])
+def test_a_stalled_request_body_is_timed_out_and_gives_back_its_slot(
+    triton: TritonServer, served_models: ServedModels, forwarded: bool
+) -> None:
+    """Regression: with ``--max-inflight 1``, one client that sent a head and part of its body held the only slot
+    for as long as it kept the connection open (the head timeout stopped once a request began)."""
+    own = served_models.own
+    settings = ProxySettings(name=own, triton_url=triton.url, host="127.0.0.1", http_port=0, max_inflight=1)
+    body = infer_body([1.0, 2.0])
+    # Raw binary (Inference-Header-Content-Length: 0) is not held: Triton gets the head and the first bytes.
+    binary = b"Inference-Header-Content-Length: 0\r\n" if forwarded else b""
+    stalled_request = _infer_head(own, 1000).replace(b"\r\n\r\n", b"\r\n" + binary + b"\r\n") + body[:10]
+    with LocalRest(settings, header_timeout_s=1.0) as local, Raw(local.port) as stalled, Raw(local.port) as other:
+        stalled.send(stalled_request)
+        time.sleep(0.3)
+        started = time.monotonic()
+        status, _, answer = other.send(_infer_head(own, len(body)) + body).response()
+        waited = time.monotonic() - started
+        assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [1.0, 2.0]
+        assert 0.5 < waited < 4, f"the second request waited {waited:.1f} s for the stalled one's slot"
+        status, headers, answer = stalled.response()
+        assert status == 408 and headers["connection"] == "close"
+        assert "no byte of it for 1 s" in error_of(answer)
+        assert stalled.closed_by_peer()
+        assert local.call(lambda: local.state.admission.idle)
+
+
+def test_a_slow_body_that_keeps_coming_is_not_timed_out(triton: TritonServer, served_models: ServedModels) -> None:
+    own = served_models.own
+    settings = ProxySettings(name=own, triton_url=triton.url, host="127.0.0.1", http_port=0)
+    body = infer_body([3.0])
+    with LocalRest(settings, header_timeout_s=1.0) as local, Raw(local.port) as slow:
+        slow.send(_infer_head(own, len(body)))
+        for i in range(0, len(body), len(body) // 5 + 1):  # 2.5 s in all, a piece every 0.5 s
+            time.sleep(0.5)
+            slow.send(body[i : i + len(body) // 5 + 1])
+        status, _, answer = slow.response()
+        assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [3.0]
+
+
+def _upstream_errors(proxy: ProxyProcess) -> str:
+    text = request(proxy.metrics_port, "GET", "/metrics")[1].decode()
+    return "\n".join(line for line in text.splitlines() if line.startswith("tritonshare_proxy_upstream_errors"))
+
+
+def _triton_answers(triton: TritonServer, line: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", triton.http_port), timeout=10) as sock:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + line + b"\r\n\r\n")
+        try:
+            return sock.recv(100)
+        except ConnectionResetError:
+            return b""
+
+
+def test_a_header_longer_than_triton_takes_is_431_not_a_502(proxy: ProxyProcess, triton: TritonServer) -> None:
+    """Regression: a 30 KB header line (under the 64 KiB head limit) was forwarded, Triton closed the connection,
+    and the tenant got a 502 while the proxy logged Triton as unavailable and counted an upstream error."""
+    longest = b"X-Big: " + b"a" * MAX_FIELD_BYTES
+    assert _triton_answers(triton, longest).startswith(b"HTTP/1.1 200")  # the limit is Triton's own
+    assert _triton_answers(triton, longest + b"a") == b""
+    errors = _upstream_errors(proxy)
+    with Raw(proxy.http_port) as conn:
+        conn.send(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + longest + b"\r\n\r\n")
+        assert conn.response()[0] == 200
+        conn.send(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 30_000 + b"\r\n\r\n")
+        status, headers, body = conn.response()
+        assert status == 431 and headers["connection"] == "close"
+        assert error_of(body) == (
+            f"header 'X-Big': its name or value is longer than {MAX_FIELD_BYTES} bytes (Triton's limit)"
+        )
+    assert _upstream_errors(proxy) == errors
+    assert "answering 503" not in proxy.log_text()
+
+
+def test_an_upload_held_for_its_check_at_sigterm_is_completed(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
+) -> None:
+    """Regression: the drain counted only requests forwarded to Triton; a JSON body still arriving (held for the
+    shared-memory check) was not, so the proxy said "no request in flight" and closed the connection under it."""
+    own = served_models.own
+    proxy = start_proxy(own, "--no-unload", "--drain-timeout-s", "10")
+    body = infer_body([5.0, 6.0])
+    with Raw(proxy.http_port) as conn:
+        conn.send(_infer_head(own, len(body)) + body[:20])
+        time.sleep(0.3)
+        proxy.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        time.sleep(0.5)
+        status, headers, answer = conn.send(body[20:]).response()
+        assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [5.0, 6.0]
+        assert headers["connection"] == "close"
+    assert proxy.terminate(15) == 0
+    assert "drained: no request in flight" in proxy.log_text()
