@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import time
 import zlib
 from collections.abc import Callable
 
@@ -161,7 +162,7 @@ def test_rapid_reset_ends_the_connection_after_a_bounded_number_of_streams() -> 
     to_triton, to_client, _ = asyncio.run(relay([START, *talk]))
     assert goaway_code(to_client) == http2.ENHANCE_YOUR_CALM
     reached = len(client_streams(to_triton))
-    assert RESET_BURST <= reached <= RESET_BURST + 10, reached
+    assert RESET_BURST <= reached <= RESET_BURST + 100, reached  # (+ what 100 a second refill meanwhile)
 
 
 def test_refused_messages_count_as_streams_ended_early() -> None:
@@ -242,8 +243,10 @@ def test_a_client_that_does_not_read_is_not_read_either() -> None:
 
 
 def test_a_connection_with_no_stream_open_goes_away_after_the_idle_timeout() -> None:
-    async def scenario() -> tuple[list[bool], bytes]:
-        state = ProxyState(ProxySettings(name="own", triton_grpc="127.0.0.1:1", grpc_idle_timeout_s=0.2))
+    idle_s = 0.3
+
+    async def scenario() -> tuple[bool, float, bytes]:
+        state = ProxyState(ProxySettings(name="own", triton_grpc="127.0.0.1:1", grpc_idle_timeout_s=idle_s))
         to_client, to_triton = Recorder(), Recorder()
 
         async def open_upstream(factory: Callable[[], UpstreamConnection]) -> UpstreamConnection:
@@ -253,20 +256,20 @@ def test_a_connection_with_no_stream_open_goes_away_after_the_idle_timeout() -> 
 
         connection = ClientConnection(GrpcFrontend(state, open_upstream=open_upstream), state)
         connection.connection_made(to_client)  # type: ignore[arg-type]
-        client = Client()
-        connection.data_received(START + client.headers(1, "ModelInfer"))  # a stream open: not idle
-        await asyncio.sleep(0.5)
-        seen = [to_client.closed]
+        connection.data_received(START + Client().headers(1, "ModelInfer"))  # a stream open: not idle
+        await asyncio.sleep(3 * idle_s)
+        open_through = not to_client.closed
         connection.data_received(http2.rst_stream(1, http2.CANCEL))
-        await asyncio.sleep(0.25)
-        seen.append(to_client.closed)  # idle, but not for a whole timeout yet
-        await asyncio.sleep(0.3)
-        seen.append(to_client.closed)
+        idle_from = time.monotonic()
+        while not to_client.closed and time.monotonic() - idle_from < 10 * idle_s:
+            await asyncio.sleep(0.01)
+        idle_for = time.monotonic() - idle_from
         connection.connection_lost(None)
-        return seen, bytes(to_client.out)
+        return open_through, idle_for, bytes(to_client.out)
 
-    seen, to_client = asyncio.run(scenario())
-    assert seen == [False, False, True]
+    open_through, idle_for, to_client = asyncio.run(scenario())
+    assert open_through  # a stream was open for three timeouts
+    assert idle_s <= idle_for <= 3 * idle_s  # checked once a timeout: closed after one to two
     assert goaway_code(to_client) == http2.NO_ERROR
 
 
