@@ -102,7 +102,7 @@ class NewStreams:
             return rule
         self._streams.answer_locally(stream_id)
         self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
-        self._state.refuse(PROTOCOL, rule.route, "refused_stream", "too_many_streams")
+        self._state.refuse(PROTOCOL, rule.route, "unavailable", "too_many_streams")  # as clients report it
         return None
 
     def _answer_ready(self, stream_id: int, rule: GrpcRule) -> None:
