@@ -1,18 +1,22 @@
 """What one REST client can make the proxy hold, against the real Triton: a client that pipelines requests the
 proxy refuses itself and never reads the answers is stopped being read (the answers do not pile up in the
-proxy's memory, whose limit is the pod's), and gets every answer once it reads."""
+proxy's memory, whose limit is the pod's), and gets every answer once it reads; idle keep-alive clients do not
+each hold a connection to the node's shared Triton."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.support.proxy import ProxyProcess
 from tests.support.triton import TritonServer
 from tritonshare.common.layout import NodeLayout
+from tritonshare.proxy.rest_upstream import IDLE_UPSTREAMS, UPSTREAM_IDLE_S
 
 pytestmark = [pytest.mark.triton, pytest.mark.slow]
 
@@ -81,3 +85,38 @@ def test_a_client_that_pipelines_refusals_and_never_reads_is_stopped_being_read(
         assert not sock.recv(1), "the proxy did not close after the last request (Connection: close)"
     assert received.count(b"HTTP/1.1 403 ") == -(-sent // len(REFUSED))
     assert received.rindex(b"HTTP/1.1 200 ") > received.rindex(b"HTTP/1.1 403 ")
+
+
+def _connections_to(pid: int, port: int) -> int:
+    """Established TCP connections of process ``pid`` to ``port`` on this host."""
+    fds = Path(f"/proc/{pid}/fd")
+    inodes = {os.readlink(fd)[8:-1] for fd in fds.iterdir() if os.readlink(fd).startswith("socket:[")}
+    count = 0
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[9] in inodes and fields[3] == "01" and int(fields[2].split(":")[1], 16) == port:
+            count += 1
+    return count
+
+
+def test_idle_keep_alive_clients_give_their_triton_connections_back(proxy: ProxyProcess, triton: TritonServer) -> None:
+    """Regression: each client connection held its connection to Triton until it closed (400 idle clients: 401
+    connections on the node's shared Triton). After ``UPSTREAM_IDLE_S`` without a request it goes back to the
+    pool (which keeps ``IDLE_UPSTREAMS``), and the client's next request takes one again."""
+    ask = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    clients = [socket.create_connection(("127.0.0.1", proxy.http_port), timeout=10) for _ in range(40)]
+    try:
+        for sock in clients:
+            sock.sendall(ask)
+            assert sock.recv(1000).startswith(b"HTTP/1.1 200 ")
+        assert _connections_to(proxy.pid, triton.http_port) >= 40
+        deadline = time.monotonic() + UPSTREAM_IDLE_S + 3
+        while _connections_to(proxy.pid, triton.http_port) > IDLE_UPSTREAMS and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert _connections_to(proxy.pid, triton.http_port) <= IDLE_UPSTREAMS
+        for sock in clients:  # the same keep-alive connections are served again
+            sock.sendall(ask)
+            assert sock.recv(1000).startswith(b"HTTP/1.1 200 ")
+    finally:
+        for sock in clients:
+            sock.close()

@@ -17,7 +17,8 @@ what the proxy writes (its write buffer is full: reading from the client pauses 
 answers itself cannot pile up in memory). A request head must be complete within ``header_timeout_s`` of its
 first byte, and a request body may not stop for that long (else 408 and close: slowloris; a stalled body also
 gives back its admission slot); a keep-alive connection idle for ``idle_timeout_s`` is closed
-(:meth:`ClientConnection.expire`, called every second by the front end).
+(:meth:`ClientConnection.expire`, called every second by the front end), and one idle for ``UPSTREAM_IDLE_S``
+gives its connection to Triton back to the pool (idle clients do not each hold one of the shared Triton's).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from tritonshare.proxy.inspect import ESCAPE, BodyRefused, InferBodyCheck, Reque
 from tritonshare.proxy.metrics import BUCKETS
 from tritonshare.proxy.policy import REST_SERVER_ROUTES, SHM_MARKER
 from tritonshare.proxy.rest_exchange import Exchange
-from tritonshare.proxy.rest_upstream import CONNECTING, PROTOCOL, UPSTREAM_FULL, Upstream
+from tritonshare.proxy.rest_upstream import CONNECTING, PROTOCOL, UPSTREAM_FULL, UPSTREAM_IDLE_S, Upstream
 
 if TYPE_CHECKING:
     from tritonshare.proxy.rest import Judged, RestFrontend
@@ -196,8 +197,12 @@ class ClientConnection(asyncio.Protocol):
         if self.progress != self.seen or waiting:
             self.seen, self.idle_since, self.stalled_since = self.progress, now, None
         elif ex is None and not self.buf:
-            if now - self.idle_since >= self.fe.idle_timeout_s:
+            idle_s = now - self.idle_since
+            if idle_s >= self.fe.idle_timeout_s:
                 self._shutdown()
+            elif idle_s >= UPSTREAM_IDLE_S and self.upstream is not None and not self.paused:
+                upstream, self.upstream = self.upstream, None  # for whoever needs one; the next request takes one
+                self.fe.pool.give(upstream)
         elif self.stalled_since is None:
             self.stalled_since = now
         elif now - self.stalled_since >= self.fe.header_timeout_s:

@@ -1,11 +1,12 @@
 """The Triton side of the REST front end: connections to Triton's HTTP port and the responses read from them.
 
 Each client connection (:mod:`tritonshare.proxy.rest_connection`) sends its requests over one :class:`Upstream`
-(1:1, opened at its first forwarded request; bytes written while it connects wait in it). The upstream reads
+(1:1, taken at its first forwarded request; bytes written while it connects wait in it). The upstream reads
 each response's framing as the bytes pass back to the client untouched, and tells its owner when the response
-is complete, when Triton broke it off, or when Triton could not be reached. When the client goes, an idle
-upstream goes to the :class:`UpstreamPool`, which keeps a few for the next client connection (one-request
-clients such as curl and probes then pay no connect each).
+is complete, when Triton broke it off, or when Triton could not be reached. When the client goes, or has sent
+no request for :data:`UPSTREAM_IDLE_S` (so that idle keep-alive clients do not each hold one of the shared
+Triton's connections), an idle upstream goes to the :class:`UpstreamPool`, which keeps a few for the next
+client connection (one-request clients such as curl and probes then pay no connect each).
 
 Idle connections are not aged out: Triton's HTTP server (2.51, libevhtp) keeps an idle keep-alive connection
 open indefinitely (checked here: one stayed open for ten minutes), so a pooled connection goes stale only
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 PROTOCOL = "rest"
 IDLE_UPSTREAMS = 8  # idle connections to Triton kept for the next client
+UPSTREAM_IDLE_S = 5.0  # a client connection without a request for this long gives its upstream back to the pool
 
 # Why an owner pauses reading its client (bits of its pause state): its upstream is still connecting;
 # Triton is not taking more bytes.
