@@ -181,9 +181,11 @@ class Collector:
         return match
 
     def _in_use(self, path: Path, entry: re.Match[str]) -> bool:
-        """Whether PATH is a workspace of a model someone holds a fresh lease on: its loader is alive, even
-        if its download has not written for a TTL (a stalled source). Retired models are nobody's."""
-        if entry["purpose"] == _RETIRED:
+        """Whether PATH is the workspace of a loader still downloading: a fresh lease on its model, which is not
+        installed yet — alive even if its download has not written for a TTL (a stalled source). Once the model
+        is installed, a workspace beside it is a killed loader's leftover (the loader that installed it removed
+        its own), whoever holds the model now. Retired models are nobody's."""
+        if entry["purpose"] == _RETIRED or self.settings.layout.model_dir(entry["name"]).exists():
             return False
         holders = [str(lease.holder) for lease in self.store.fresh(entry["name"])]
         if holders:
