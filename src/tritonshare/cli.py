@@ -291,6 +291,18 @@ def unload(
 )
 @option("--max-queue", type=click.IntRange(min=0), default=128, help="Requests waiting for a slot; more → 429.")
 @option(
+    "--grpc-max-streams",
+    type=click.IntRange(min=1),
+    default=128,
+    help="gRPC streams forwarded at once per client connection (advertised in SETTINGS); more → REFUSED_STREAM.",
+)
+@option(
+    "--grpc-idle-timeout-s",
+    type=click.FloatRange(min=0),
+    default=300.0,
+    help="A gRPC connection with no stream open this long is sent away (GOAWAY); 0 = never.",
+)
+@option(
     "--queue-timeout-s",
     type=click.FloatRange(min=0, min_open=True),
     default=10.0,
