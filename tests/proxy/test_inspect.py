@@ -17,7 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tritonshare.proxy.http1 import ChunkedReader
-from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_json, might_name_shm
+from tritonshare.proxy.inspect import (
+    MAX_DEPTH,
+    BodyRefused,
+    InferBodyCheck,
+    RequestBody,
+    check_depth,
+    check_json,
+    might_name_shm,
+)
 
 CLEAN: dict[str, Any] = {
     "id": "shared_memory_region",  # the words as a value are fine: only keys are parameters
@@ -103,7 +111,7 @@ def _keys(body: bytes) -> list[str]:
 def test_a_large_body_with_an_escape_is_checked_in_bounded_memory_and_time() -> None:
     """Regression: any backslash made the check parse the whole document (48 MB of JSON: 722 MB peak, the event
     loop blocked 2.5 s). The keys are now found by one scan of the bytes (the quick look's ``partition`` copies
-    the body once, briefly)."""
+    the body once, briefly, and so does the nesting check's removal of escapes)."""
     data = ",".join(['"a\\"b"'] * 1_000_000 + ["1.5"] * 2_000_000)
     body = b'{"id": "\\n", "inputs": [{"name": "INPUT0", "data": [%s]}]}' % data.encode()
     tracemalloc.start()
@@ -114,7 +122,8 @@ def test_a_large_body_with_an_escape_is_checked_in_bounded_memory_and_time() -> 
     finally:
         tracemalloc.stop()
     took = time.perf_counter() - started
-    assert took < 1.0 and peak < len(body) + (1 << 20), f"{len(body)} bytes: {took:.2f} s, peak {peak} bytes"
+    # one copy more: the nesting check drops the escapes before it looks at the brackets
+    assert took < 1.0 and peak < 2 * len(body) + (1 << 20), f"{len(body)} bytes: {took:.2f} s, peak {peak} bytes"
     assert _refused(check_json, body[:-3] + b', "shared_memory_region": 1}]}').reason == "shared_memory"
 
 
@@ -265,3 +274,42 @@ def test_the_check_refuses_exactly_the_json_whose_keys_name_a_parameter(doc: str
         assert _refused(check_json, body).reason == "shared_memory"
     else:
         check_json(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * MAX_DEPTH + b"]" * MAX_DEPTH,
+        b'{"a":' * (MAX_DEPTH - 1) + b"[]" + b"}" * (MAX_DEPTH - 1),
+        b'{"inputs":[{"data":[[1,2],[3,4]]}]}',
+        b"[" + b",".join([b"[1,2,3]"] * 100_000) + b"]",  # wide, shallow: many brackets, depth 2
+        b'["' + b"[" * 1000 + b'"]',  # brackets inside a string are no nesting
+        b'["\\\\' + b"]" * 1000 + b'"]',  # nor after an escaped backslash, inside the string
+        b'["\\"' + b"[" * 1000 + b'"]',  # nor after an escaped quote
+    ],
+)
+def test_json_nesting_up_to_the_limit_passes(body: bytes) -> None:
+    check_depth(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1),
+        b"[{" * 65 + b"}]" * 65,  # objects and arrays together
+        b'{"a":' * MAX_DEPTH + b"[]" + b"}" * MAX_DEPTH,
+        b"[[]" * 200 + b"]" * 200,  # no long run of openers, deep all the same
+        b"[" * (MAX_DEPTH + 1),  # never closed
+        b"]" * (MAX_DEPTH + 1),
+        b"[" * 50_000 + b"]" * 50_000,  # deep enough to crash Triton's recursive parser
+    ],
+)
+def test_json_nested_deeper_than_the_limit_is_refused(body: bytes) -> None:
+    assert _refused(check_json, body).reason == "too_deep"
+
+
+def test_deep_nesting_is_judged_fast_even_when_huge() -> None:
+    started = time.process_time()
+    for body in (b"[" * (8 << 20) + b"]" * (8 << 20), b"[" * (16 << 20), b"[[]" * (4 << 20) + b"]" * (4 << 20)):
+        assert _refused(check_depth, body).reason == "too_deep"
+    assert time.process_time() - started < 2.0

@@ -361,6 +361,21 @@ def test_refusals_are_counted_in_metrics(proxy: ProxyProcess, port: int) -> None
 # ---------------------------------------------------------------------------------------------- shared memory
 
 
+def test_json_nested_deep_enough_to_crash_triton_is_refused(port: int, own: str, triton: TritonServer) -> None:
+    # 50,000 levels crashed Triton 2.51's recursive JSON parser here (every tenant's server, one request).
+    deep = b'{"inputs":[{"name":"INPUT0","shape":[1],"datatype":"FP32","data":' + b"[" * 50_000 + b"]" * 50_000
+    for path in (f"/v2/models/{own}/infer", f"/v2/models/{own}/generate"):
+        status, body = request(port, "POST", path, deep + b"}]}")
+        assert status == 400 and "nests deeper than 128 levels" in error_of(body), body
+    assert (
+        request(port, "POST", f"/v2/models/{own}/infer", gzip.compress(deep + b"}]}"), Content_Encoding="gzip")[0]
+        == 400
+    )
+    assert triton.process is not None and triton.process.poll() is None  # Triton never saw it
+    status, body = request(port, "POST", f"/v2/models/{own}/infer", infer_body([1.0, 2.0]))
+    assert status == 200, body
+
+
 def _shm_json(own: str, where: str, key: str = "shared_memory_region") -> dict[str, Any]:
     doc: dict[str, Any] = json.loads(infer_body([1.0, 2.0]))
     doc["outputs"] = [{"name": "OUTPUT0", "parameters": {}}]

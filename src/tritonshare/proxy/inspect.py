@@ -64,7 +64,8 @@ def might_name_shm(part: bytes) -> bool:
 
 
 def check_json(part: bytes) -> None:
-    """Raise :class:`BodyRefused` if this JSON names a shared-memory parameter as a key, at any depth.
+    """Raise :class:`BodyRefused` if this JSON nests deeper than :data:`MAX_DEPTH` (:func:`check_depth`) or
+    names a shared-memory parameter as a key, at any depth.
 
     The keys are found the way a JSON parser meets them, without building the document (``json.loads`` of a
     48 MB body peaks at 15 times its size and blocks the event loop for seconds): one scan of the string
@@ -73,8 +74,13 @@ def check_json(part: bytes) -> None:
     depth, duplicates included. The scan stops only at a key that spells a parameter's name, each character
     as itself or as its ``\\u`` escape (no other spelling decodes to it), or at a quote never closed (refused
     as unreadable). Other invalid JSON goes on to Triton, which refuses it."""
-    if not might_name_shm(part):
-        return
+    if might_name_shm(part):
+        _check_keys(part)
+    check_depth(part)
+
+
+def _check_keys(part: bytes) -> None:
+    """The scan of the string tokens for a shared-memory key (see :func:`check_json`)."""
     found = _SCAN.match(part)
     if found is None:  # not expected: the scan stops at the end at the latest
         raise BodyRefused(400, "the request's JSON cannot be read", "bad_json")
@@ -90,6 +96,42 @@ def check_json(part: bytes) -> None:
         raise BodyRefused(
             400, f"the request's JSON cannot be parsed: a string at byte {found.end() - 1} is never closed", "bad_json"
         )
+
+
+# Triton parses JSON with rapidjson's recursive parser: nesting 50,000 deep crashed Triton 2.51 here (20,000
+# did not) — every tenant's server, from one request. Inference JSON nests a few levels (objects, then one
+# array level per tensor dimension); 128 is far above what a request needs and far below the crash.
+MAX_DEPTH = 128
+# every byte → deleted, but for '"', and the brackets, as '[' and ']' (objects nest like arrays)
+_STRUCTURE = bytes.maketrans(b"{}", b"[]")
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
+_STRING_CONTENTS = re.compile(rb'"[^"]*"')  # once escapes and all else are gone: a string's brackets
+_OPEN_RUN, _CLOSE_RUN = b"[" * (MAX_DEPTH + 1), b"]" * (MAX_DEPTH + 1)
+
+
+def check_depth(part: bytes) -> None:
+    """Raise :class:`BodyRefused` when this JSON may nest deeper than :data:`MAX_DEPTH`, without a parser,
+    all in C-speed bytes operations: the brackets outside strings are kept, then matched pairs are removed a
+    nesting level per pass. After p passes the depth is at most p plus the brackets left (each encloses a
+    point once), so the passes stop as soon as that is within the limit — at once for most requests, after a
+    few for nested tensors. A run of more than MAX_DEPTH brackets is refused at once (the deep chain, which
+    would take a pass per level); so is a remainder of unmatched brackets over the limit (invalid JSON)."""
+    if ESCAPE in part:  # an escaped backslash, then an escaped quote, must not end or start a string (a copy)
+        part = part.replace(b"\\\\", b"").replace(b'\\"', b"")
+    structure = part.translate(_STRUCTURE, _NOT_STRUCTURE).replace(b'""', b"")  # strings without brackets go
+    if b'"' in structure:  # (two quotes side by side either end a string and open the next, or close an empty one)
+        structure = _STRING_CONTENTS.sub(b"", structure)
+    passes = 0
+    while len(structure) + passes > MAX_DEPTH:
+        inner = structure.replace(b"[]", b"")
+        if len(inner) == len(structure) or passes >= MAX_DEPTH or _OPEN_RUN in structure or _CLOSE_RUN in structure:
+            raise BodyRefused(
+                400,
+                f"the request's JSON nests deeper than {MAX_DEPTH} levels (or leaves brackets unmatched): "
+                "Triton's parser recurses per level — send the tensor flat, with its shape",
+                "too_deep",
+            )
+        structure, passes = inner, passes + 1
 
 
 def _spelled(name: str) -> bytes:
