@@ -313,3 +313,14 @@ def test_deep_nesting_is_judged_fast_even_when_huge() -> None:
     for body in (b"[" * (8 << 20) + b"]" * (8 << 20), b"[" * (16 << 20), b"[[]" * (4 << 20) + b"]" * (4 << 20)):
         assert _refused(check_depth, body).reason == "too_deep"
     assert time.process_time() - started < 2.0
+
+
+def test_brackets_nested_just_under_the_limit_are_bounded_by_the_work_not_checked_for_seconds() -> None:
+    # Depth 127 blocks, repeated: valid, within the limit, and 128 passes over 60 MB took 22 s (~1.2 s now).
+    body = (b"[" * 127 + b"]" * 127) * 240_000
+    started = time.process_time()
+    refused = _refused(check_depth, body)
+    assert refused.reason == "too_deep" and "too costly to check" in refused.message
+    assert time.process_time() - started < 5.0
+    tensor = b"[" + b",".join([b"[" + b",".join([b"[1,2]"] * 100) + b"]"] * 20_000) + b"]"  # depth 3, 2 M brackets
+    check_depth(tensor)

@@ -376,6 +376,26 @@ def test_json_nested_deep_enough_to_crash_triton_is_refused(port: int, own: str,
     assert status == 200, body
 
 
+def test_deep_json_is_refused_however_often_it_is_sent(port: int, own: str, triton: TritonServer) -> None:
+    # A whole request in one read whose head the proxy has judged before takes its fast path: that path must
+    # bound the nesting too (a review found it did not: the second copy went to Triton).
+    body = b'{"inputs":[{"name":"INPUT0","shape":[1],"datatype":"FP32","data":' + b"[" * 1000 + b"]" * 1000 + b"}]}"
+    head = f"POST /v2/models/{own}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    for _ in range(2):  # each on a new connection: the memo of judged heads is the proxy's, not the connection's
+        with Raw(port) as raw:
+            for _ in range(3):  # and again on the same connection
+                status, _headers, answer = raw.send(head + body).response()
+                assert status == 400 and "nests deeper than 128 levels" in error_of(answer), answer
+    assert triton.process is not None and triton.process.poll() is None
+    shallow = b'{"inputs":[{"name":"INPUT0","shape":[2],"datatype":"FP32","data":[[1.0,2.0]]}]}'
+    with Raw(port) as raw:  # a clean request with the same kind of head still goes through
+        for _ in range(2):
+            status, _headers, answer = raw.send(
+                head.replace(str(len(body)).encode(), str(len(shallow)).encode()) + shallow
+            ).response()
+            assert status == 200, answer
+
+
 def _shm_json(own: str, where: str, key: str = "shared_memory_region") -> dict[str, Any]:
     doc: dict[str, Any] = json.loads(infer_body([1.0, 2.0]))
     doc["outputs"] = [{"name": "OUTPUT0", "parameters": {}}]

@@ -107,6 +107,8 @@ _STRUCTURE = bytes.maketrans(b"{}", b"[]")
 _NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
 _STRING_CONTENTS = re.compile(rb'"[^"]*"')  # once escapes and all else are gone: a string's brackets
 _OPEN_RUN, _CLOSE_RUN = b"[" * (MAX_DEPTH + 1), b"]" * (MAX_DEPTH + 1)
+DEPTH_WORK_BYTES = 256 << 20  # brackets scanned by the passes, at most (~0.2 s); a nested tensor takes a few MB
+NOT_OPENERS = bytes(b for b in range(256) if b not in b"[{")  # the fast path's bound: depth ≤ the openers
 
 
 def check_depth(part: bytes) -> None:
@@ -114,24 +116,41 @@ def check_depth(part: bytes) -> None:
     all in C-speed bytes operations: the brackets outside strings are kept, then matched pairs are removed a
     nesting level per pass. After p passes the depth is at most p plus the brackets left (each encloses a
     point once), so the passes stop as soon as that is within the limit — at once for most requests, after a
-    few for nested tensors. A run of more than MAX_DEPTH brackets is refused at once (the deep chain, which
-    would take a pass per level); so is a remainder of unmatched brackets over the limit (invalid JSON)."""
+    few for nested tensors (a level per dimension). A run of more than MAX_DEPTH brackets is refused at once
+    (the deep chain, which would take a pass per level); so is a remainder of unmatched brackets over the
+    limit (invalid JSON); and so is a body whose passes would scan more than :data:`DEPTH_WORK_BYTES` (megabytes
+    of brackets nested a hundred levels deep: no tensor looks like that, and checking it would hold the event
+    loop for seconds — 22 s for 60 MB before this bound)."""
     if ESCAPE in part:  # an escaped backslash, then an escaped quote, must not end or start a string (a copy)
         part = part.replace(b"\\\\", b"").replace(b'\\"', b"")
     structure = part.translate(_STRUCTURE, _NOT_STRUCTURE).replace(b'""', b"")  # strings without brackets go
     if b'"' in structure:  # (two quotes side by side either end a string and open the next, or close an empty one)
         structure = _STRING_CONTENTS.sub(b"", structure)
-    passes = 0
+    passes = work = 0
     while len(structure) + passes > MAX_DEPTH:
+        work += len(structure)
         inner = structure.replace(b"[]", b"")
-        if len(inner) == len(structure) or passes >= MAX_DEPTH or _OPEN_RUN in structure or _CLOSE_RUN in structure:
+        if len(inner) == len(structure) or passes >= MAX_DEPTH or (passes < 2 and _long_run(structure)):
             raise BodyRefused(
                 400,
                 f"the request's JSON nests deeper than {MAX_DEPTH} levels (or leaves brackets unmatched): "
                 "Triton's parser recurses per level — send the tensor flat, with its shape",
                 "too_deep",
             )
+        if work > DEPTH_WORK_BYTES:
+            raise BodyRefused(
+                400,
+                f"the request's JSON nests {len(structure) // 1024} KiB of brackets more than {passes} levels "
+                "deep: too costly to check — send the tensor flat, with its shape",
+                "too_deep",
+            )
         structure, passes = inner, passes + 1
+
+
+def _long_run(structure: bytes) -> bool:
+    """More than MAX_DEPTH brackets in a row: a chain (before the first pass) or a comb (after it) that would
+    take a pass per level. Looked for in the first two passes only: each look is a scan of its own."""
+    return _OPEN_RUN in structure or _CLOSE_RUN in structure
 
 
 def _spelled(name: str) -> bytes:

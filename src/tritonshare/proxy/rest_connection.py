@@ -33,7 +33,15 @@ from typing import TYPE_CHECKING, cast
 
 from tritonshare.proxy import admission, auth
 from tritonshare.proxy.http1 import CONTINUE, HttpError, ResponseHead, error_response
-from tritonshare.proxy.inspect import ESCAPE, BodyRefused, InferBodyCheck, RequestBody, check_plain_body
+from tritonshare.proxy.inspect import (
+    ESCAPE,
+    MAX_DEPTH,
+    NOT_OPENERS,
+    BodyRefused,
+    InferBodyCheck,
+    RequestBody,
+    check_plain_body,
+)
 from tritonshare.proxy.metrics import BUCKETS
 from tritonshare.proxy.policy import REST_SERVER_ROUTES, SHM_MARKER
 from tritonshare.proxy.rest_exchange import Exchange
@@ -95,7 +103,9 @@ class ClientConnection(asyncio.Protocol):
         if self.exchange is None and not self.buf and not self.closing:
             # The common case: a whole request in one read, its head judged before (the memo) as needing no
             # more than a look for the shared-memory marker (anywhere in the bytes: one in the head only sends
-            # the request the long way, which checks it properly); one write to Triton.
+            # the request the long way, which checks it properly) and a count of its opening brackets (no
+            # more than MAX_DEPTH of them: it cannot nest deeper, else the long way measures it); one write to
+            # Triton.
             judged = self.last_judged
             if judged is None or len(data) != self.last_size or data[: len(self.last_head)] != self.last_head:
                 judged = self._recall(data)
@@ -104,7 +114,14 @@ class ClientConnection(asyncio.Protocol):
                 and judged.quick
                 and not self.state.draining
                 # might_name_shm(data), inlined (a call costs as much as the two searches)
-                and not (judged.inspect and (data.partition(SHM_MARKER)[1] or data.partition(ESCAPE)[1]))
+                and not (
+                    judged.inspect
+                    and (
+                        data.partition(SHM_MARKER)[1]
+                        or data.partition(ESCAPE)[1]
+                        or len(data.translate(None, NOT_OPENERS)) > MAX_DEPTH
+                    )
+                )
             ):
                 ex = self.exchange = self.sent
                 ex.judged, ex.response_done = judged, False
@@ -209,9 +226,13 @@ class ClientConnection(asyncio.Protocol):
             self._time_out(ex)
 
     def _time_out(self, ex: Exchange | None) -> None:
-        """408 and close: the head (``ex`` None) or the body did not come in time."""
+        """408 and close: the head (``ex`` None) or the body did not come in time. A client that has not read its
+        answers for that long (its next request waits for it to) is closed without one more."""
         limit = self.fe.header_timeout_s
-        if ex is None:
+        if self.paused & _CLIENT_FULL:
+            logger.info("closing a connection whose client has not read its answers for %g s", limit)
+            self._shutdown()
+        elif ex is None:
             self._give_up(None, 408, f"the request head was not complete within {limit:g} s", "header_timeout")
         else:
             message = f"the request body stopped: no byte of it for {limit:g} s"
