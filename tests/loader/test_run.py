@@ -141,28 +141,33 @@ def test_a_name_installed_from_another_source_is_a_conflict_and_keeps_serving(
 def test_a_name_whose_pods_are_gone_is_taken_over_by_a_new_source(
     layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
 ) -> None:
-    # Pod A installed version a, then was killed without SIGTERM: its lease stopped being refreshed.
+    # Pod A installed version a, then was killed without SIGTERM: its lease stopped being refreshed, 11 min ago.
     cleanup.append(model_name)
     assert run(settings(layout, triton, write_model(tmp_path / "a"), model_name, holder=POD_A)) == ExitCode.OK
-    time.sleep(1.2)  # pod A's lease is older than the 1 s TTL below
+    LeaseStore(layout.leases, clock=lambda: time.time() - 660).acquire(model_name, POD_A)  # its last heartbeat
     newer = write_model(tmp_path / "b")
     conf = settings(layout, triton, newer, model_name, holder=POD_B, lease_ttl_s=1.0)
-    assert run(conf) == ExitCode.OK  # not 14: nobody uses version a any more
+    assert run(conf) == ExitCode.OK  # not 14: nobody uses version a any more (judged by the default TTL)
     assert read_record(layout.model_dir(model_name)).source.endswith("/b")  # type: ignore[union-attr]
     assert [lease.holder.uid for lease in LeaseStore(layout.leases).leases(model_name)] == [POD_B.uid]
     infer_identity(triton, model_name)
     LeaseStore(layout.leases).forget(model_name, POD_B)
 
 
-@pytest.mark.parametrize("why", ["pod A's lease is fresh", "installed by hand just now (no lease)"])
+@pytest.mark.parametrize(
+    "why", ["pod A's lease is fresh", "pod A's lease is older than B's TTL, not A's", "installed by hand just now"]
+)
 def test_a_name_in_use_or_just_installed_is_not_taken_over(
     layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str], why: str
 ) -> None:
     cleanup.append(model_name)
-    holder = POD_A if "fresh" in why else None
+    holder = None if "by hand" in why else POD_A
     assert run(settings(layout, triton, write_model(tmp_path / "a"), model_name, holder=holder)) == ExitCode.OK
+    if "B's TTL" in why:  # pod A heartbeats every 60 s (TTL 600 s); pod B runs with a TTL of 30 s
+        LeaseStore(layout.leases, clock=lambda: time.time() - 45).acquire(model_name, POD_A)
+    conf_b = settings(layout, triton, write_model(tmp_path / "b"), model_name, holder=POD_B, lease_ttl_s=30.0)
     expect_failure(InstallConflict, ExitCode.INSTALL_CONFLICT, rf"holds '{model_name}' installed from .*/a, not .*/b",
-                   layout, settings(layout, triton, write_model(tmp_path / "b"), model_name, holder=POD_B))  # fmt: skip
+                   layout, conf_b)  # fmt: skip
     infer_identity(triton, model_name)
     LeaseStore(layout.leases).forget(model_name, POD_A)
 

@@ -29,9 +29,12 @@ from tritonshare.loader.sources.base import RemoteObject
 logger = logging.getLogger(__name__)
 
 
-def listing_digest(objects: Iterable[RemoteObject]) -> str:
-    """sha256 over the sorted (relpath, size, checksum, version) of every listed object."""
+def listing_digest(objects: Iterable[RemoteObject], query: str = "") -> str:
+    """sha256 over the sorted (relpath, size, checksum, version) of every listed object — and the source URL's
+    :func:`~tritonshare.loader.sources.base.query_identity`, when it has one (the recorded source masks it)."""
     h = hashlib.sha256()
+    if query:
+        h.update(f"query\0{query}\n".encode())
     for obj in sorted(objects, key=lambda o: o.relpath):
         checksum = f"{obj.checksum.algorithm}:{obj.checksum.value}" if obj.checksum else "-"
         h.update(f"{obj.relpath}\0{obj.size}\0{checksum}\0{obj.version}\n".encode())
@@ -131,7 +134,7 @@ def withdraw(
     """
     if reused:
         return _kept(name, Withdrawal.REUSED)
-    leases = LeaseStore(layout.leases, ttl_s=lease_ttl_s)
+    leases = LeaseStore(layout.leases, ttl_s=judging_ttl(lease_ttl_s))
     if _held_by_others(leases, name, holder):
         return _kept(name, Withdrawal.SHARED)
     seen = wait_quiet(client, name, timeout_s=timeout_s, interval_s=interval_s)
@@ -166,9 +169,9 @@ def take_over(
     found = read_record(layout.model_dir(name))
     if found is None:
         return False  # not installed by tritonshare: an operator's folder is never touched
-    leases = LeaseStore(layout.leases, ttl_s=lease_ttl_s)
+    leases = LeaseStore(layout.leases, ttl_s=judging_ttl(lease_ttl_s))
     others = [lease for lease in leases.leases(name) if holder is None or lease.holder.uid != holder.uid]
-    if not others and clock() - found.installed_at <= lease_ttl_s:
+    if not others and clock() - found.installed_at <= judging_ttl(lease_ttl_s):
         return False  # unleased and recent: maybe a load by hand, gc's rule too
     if withdraw(layout, name, client, timeout_s=0, holder=holder, lease_ttl_s=lease_ttl_s) is not Withdrawal.REMOVED:
         return False
@@ -182,6 +185,13 @@ def take_over(
         wanted.source,
     )
     return True
+
+
+def judging_ttl(lease_ttl_s: float) -> float:
+    """The TTL by which this loader judges OTHER pods' leases: its own, but never below the default. A pod
+    heartbeats at a tenth of its own TTL, which may be longer than this pod's: judged by a short TTL of ours,
+    its live lease would look expired and its model be removed from under it."""
+    return max(lease_ttl_s, DEFAULT_TTL_S)
 
 
 def _held_by_others(leases: LeaseStore, name: str, holder: Holder | None) -> bool:
