@@ -337,6 +337,26 @@ def test_a_stalled_download_stays_while_its_loader_holds_a_fresh_lease(
     assert not workspace.exists()
 
 
+def test_a_crash_looping_loader_keeps_only_its_newest_workspace(bare_layout: NodeLayout, clock: Clock) -> None:
+    # An init container OOM-killed mid-download restarts in the same pod (same lease): each attempt leaves one.
+    attempts = []
+    for _ in range(3):
+        workspace = bare_layout.staging / f"llm.download.{uuid.uuid4().hex[:12]}"
+        (workspace / "1").mkdir(parents=True)
+        (workspace / "1" / "weights.bin").write_bytes(b"part of the weights")
+        attempts.append(workspace)
+        time.sleep(0.02)  # the later attempt is the newer one
+    collector = Collector(
+        GcSettings(layout=bare_layout, lease_ttl_s=TTL_S),
+        client=TritonClient(f"http://127.0.0.1:{free_port()}"),
+        clock=clock,
+    )
+    clock.advance(TTL_S + 30)
+    collector.store.acquire("llm", POD_A)  # the latest attempt's heartbeat
+    assert sorted(removed(collector)) == sorted([("staging", w.name) for w in attempts[:2]])
+    assert attempts[2].exists()  # the one a live loader may be using (its source stalled)
+
+
 def test_without_triton_no_model_is_removed_but_staging_still_is(
     bare_layout: NodeLayout, tmp_path: Path, clock: Clock, gc_log: pytest.LogCaptureFixture
 ) -> None:

@@ -154,12 +154,15 @@ class Collector:
     def _staging(self) -> list[Removal]:
         now, ttl = self.clock(), self.settings.lease_ttl_s
         removals = []
-        for path in sorted(self.settings.layout.staging.iterdir()):
-            entry = self._entry(path)
-            if entry is None or not self.managed(entry["name"]):
+        paths = sorted(self.settings.layout.staging.iterdir())
+        entries = [(path, entry) for path in paths if (entry := self._entry(path)) is not None]
+        changes = {path: _last_change(path) for path, _entry in entries}
+        newest = _newest_workspaces(entries, changes)
+        for path, entry in entries:
+            changed = changes[path]
+            if not self.managed(entry["name"]) or changed is None or now - changed <= ttl:
                 continue
-            changed = _last_change(path)
-            if changed is None or now - changed <= ttl or self._in_use(path, entry):
+            if newest.get(entry["name"]) == path and self._in_use(path, entry):
                 continue
             _delete(path)
             reason = f"staging leftover untouched for {now - changed:.0f}s (ttl {ttl:.0f}s)"
@@ -181,10 +184,11 @@ class Collector:
         return match
 
     def _in_use(self, path: Path, entry: re.Match[str]) -> bool:
-        """Whether PATH is the workspace of a loader still downloading: a fresh lease on its model, which is not
-        installed yet — alive even if its download has not written for a TTL (a stalled source). Once the model
-        is installed, a workspace beside it is a killed loader's leftover (the loader that installed it removed
-        its own), whoever holds the model now. Retired models are nobody's."""
+        """Whether PATH, its model's newest workspace, is that of a loader still downloading: a fresh lease on
+        its model, which is not installed yet — alive even if its download has not written for a TTL (a stalled
+        source). Older workspaces of the model are a crash-looping loader's earlier attempts, never kept. Once
+        the model is installed, a workspace beside it is a killed loader's leftover (the loader that installed
+        it removed its own), whoever holds the model now. Retired models are nobody's."""
         if entry["purpose"] == _RETIRED or self.settings.layout.model_dir(entry["name"]).exists():
             return False
         holders = [str(lease.holder) for lease in self.store.fresh(entry["name"])]
@@ -268,6 +272,16 @@ def _keyable(name: str) -> bool:
         return True
     logger.warning("gc leaves %s alone: its folder name is not a valid model NAME, so no lease can name it", name)
     return False
+
+
+def _newest_workspaces(entries: list[tuple[Path, re.Match[str]]], changes: dict[Path, float | None]) -> dict[str, Path]:
+    """Per NAME, its most recently changed workspace (not retired): the only one a live loader can be using."""
+    newest: dict[str, Path] = {}
+    for path, entry in entries:
+        name, changed = entry["name"], changes[path] or 0.0
+        if entry["purpose"] != _RETIRED and (name not in newest or changed >= (changes[newest[name]] or 0.0)):
+            newest[name] = path
+    return newest
 
 
 def _installed_at(model_dir: Path) -> float | None:
