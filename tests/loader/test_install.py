@@ -17,7 +17,7 @@ from tritonshare.common.lease import Holder, LeaseStore
 from tritonshare.common.repository import RECORD_FILE, InstallRecord, read_record
 from tritonshare.common.triton import TritonClient
 from tritonshare.loader.install import Withdrawal, existing, install, listing_digest, withdraw
-from tritonshare.loader.sources.base import Checksum, RemoteObject
+from tritonshare.loader.sources.base import Checksum, RemoteObject, display_uri, query_identity
 
 OBJECTS = [
     RemoteObject(key="b/m/config.pbtxt", relpath="config.pbtxt", size=120, version="e1"),
@@ -130,3 +130,15 @@ def test_withdraw_leaves_a_folder_another_pods_lease_is_fresh_on(node: NodeLayou
     assert withdraw(node, "m", unreachable, timeout_s=0, holder=mine) is Withdrawal.SHARED
     assert os.listdir(node.repository) == ["m"]
     assert sorted(lease.holder.uid for lease in leases.leases("m")) == ["pod-mine", "pod-theirs"]
+
+
+def test_urls_naming_other_objects_by_their_query_are_other_installs_re_signed_ones_the_same() -> None:
+    # display_uri masks every query value (signatures stay out of logs): the digest keeps what names the object
+    a, b = "https://h/download?model=a", "https://h/download?model=b"
+    assert display_uri(a) == display_uri(b)
+    assert listing_digest(OBJECTS, query_identity(a)) != listing_digest(OBJECTS, query_identity(b))
+    signed = "https://h/m.tgz?X-Amz-Date=1&X-Amz-Signature=aa&version=3"
+    resigned = "https://h/m.tgz?version=3&X-Amz-Date=2&X-Amz-Signature=bb"
+    assert query_identity(signed) == query_identity(resigned) == "version=3"
+    assert query_identity("https://h/m.tgz") == query_identity("/models/m") == ""
+    assert listing_digest(OBJECTS, "") == listing_digest(OBJECTS)  # installs from plain URLs keep their digest

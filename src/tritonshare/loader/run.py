@@ -46,7 +46,7 @@ from tritonshare.loader.install import Installed, Withdrawal, existing, install,
 from tritonshare.loader.model import prepare
 from tritonshare.loader.readiness import MODES, wait_live
 from tritonshare.loader.settings import LoaderSettings
-from tritonshare.loader.sources.base import RemoteObject, Source, display_uri
+from tritonshare.loader.sources.base import RemoteObject, Source, display_uri, query_identity
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,8 @@ def _fetch_and_install(
         options = DownloadOptions.from_settings(settings)
         with timings.phase("list"):
             objects = list_objects(source, options)
-        record = InstallRecord(name=settings.name, source=display_uri(settings.source), digest=listing_digest(objects))
+        digest = listing_digest(objects, query_identity(settings.source))
+        record = InstallRecord(name=settings.name, source=display_uri(settings.source), digest=digest)
         found = _existing_or_free(settings, client, record)
         if found is not None:
             when = datetime.fromtimestamp(found.installed_at, timezone.utc).isoformat(timespec="seconds")

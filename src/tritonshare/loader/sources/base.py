@@ -8,11 +8,12 @@ a source only translates its SDK's errors into the error tree, once, here at the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from tritonshare.common.errors import UsageError
 
@@ -75,6 +76,25 @@ def display_uri(uri: str) -> str:
     netloc = parts.netloc.rsplit("@", 1)[-1]
     query = "&".join(f"{item.partition('=')[0]}=…" if "=" in item else item for item in parts.query.split("&"))
     return urlunsplit(parts._replace(netloc=netloc, query=query if parts.query else "", fragment=""))
+
+
+# Query parameters that sign a URL (S3/GCS/CloudFront/Azure SAS): they change with every signing while the
+# object does not, so they are no part of what a URL names.
+_SIGNING = re.compile(
+    r"x-amz-.*|x-goog-.*|signature|expires|key-pair-id|policy|googleaccessid|awsaccesskeyid"
+    r"|sig|se|st|sp|sv|sr|spr|sip|skoid|sktid|skt|ske|sks|skv|sdd|ses",
+    re.IGNORECASE,
+)
+
+
+def query_identity(uri: str) -> str:
+    """What ``uri``'s query says about WHICH object it names — its parameters other than a signature's,
+    sorted — for the install's identity: :func:`display_uri` masks every value, and ``…?model=a`` and
+    ``…?model=b`` must not pass for one install. "" for a URL without such parameters."""
+    if "://" not in uri:
+        return ""
+    pairs = parse_qsl(urlsplit(uri).query, keep_blank_values=True)
+    return "&".join(sorted(f"{key}={value}" for key, value in pairs if not _SIGNING.fullmatch(key)))
 
 
 def scheme_of(uri: str) -> str:
