@@ -58,6 +58,7 @@ Random = Callable[[], float]  # uniform in [0, 1)
 T = TypeVar("T")
 
 MIB = 1 << 20
+ASK_TIMEOUT_S = 5.0  # for the HEAD that asks a store for a big object's checksum (else the listed one is used)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -280,7 +281,8 @@ class _Transfer:
         except OSError as exc:
             raise _write_error(target, exc) from exc
         if self.options.verify_checksums:
-            ask = partial(source.whole_checksum, obj, self.options.stall_timeout_s)
+            # (bounded below the stall timeout: a stop waits for this request, which no abort reaches)
+            ask = partial(source.whole_checksum, obj, min(self.options.stall_timeout_s, ASK_TIMEOUT_S))
             split = Split(obj, target, part_bytes, obj.checksum, self.hashing, ask)
         else:
             split = Split(obj, target, part_bytes, None, self.hashing)

@@ -89,11 +89,11 @@ class Split:
 
     def begin(self) -> None:
         """Start the hasher thread, once, when a first part is about to be fetched."""
-        with self._state:
-            if self._begun or not self._verifying:
+        with self._state:  # started under the lock: a close() cannot slip between the decision and the start
+            if self._begun or self._stopped or not self._verifying:
                 return
             self._begun = True
-        self._thread.start()
+            self._thread.start()
 
     def remaining(self, index: int) -> Part | None:
         """What part ``index`` still needs: all of it, or the rest after a failed attempt; None when done."""
@@ -123,6 +123,10 @@ class Split:
         if not self._verifying:
             return
         self.begin()  # (already begun when the engine fetched the parts)
+        with self._state:
+            begun = self._begun
+        if not begun:  # closed first: the download is being cancelled
+            raise TritonshareError(f"{self.obj.key}: download cancelled before its hashing began")
         self._thread.join()
         if self._failure is not None:
             raise self._failure
@@ -137,7 +141,9 @@ class Split:
         with self._state:
             self._stopped = True
             self._state.notify()
-        if self._thread.is_alive():
+        with self._state:
+            begun = self._begun
+        if begun:
             self._thread.join()
 
     def _advance(self) -> None:
