@@ -108,7 +108,6 @@ _NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
 _STRING_CONTENTS = re.compile(rb'"[^"]*"')  # once escapes and all else are gone: a string's brackets
 _OPEN_RUN, _CLOSE_RUN = b"[" * (MAX_DEPTH + 1), b"]" * (MAX_DEPTH + 1)
 DEPTH_WORK_BYTES = 256 << 20  # brackets scanned by the passes, at most (~0.2 s); a nested tensor takes a few MB
-NOT_OPENERS = bytes(b for b in range(256) if b not in b"[{")  # the fast path's bound: depth ≤ the openers
 
 
 def check_depth(part: bytes) -> None:
