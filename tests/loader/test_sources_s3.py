@@ -3,6 +3,7 @@ server standing in for a failing or stalled S3 endpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -226,6 +227,47 @@ def test_a_big_object_is_fetched_in_parallel_ranged_parts(
     stats = download_all(source, [obj], tmp_path, PARTS)
     assert (tmp_path / "big.bin").read_bytes() == data and stats.bytes == len(data)
     assert sorted(fake_endpoint.ranges) == [(i, min(i + 100_000, len(data))) for i in range(0, len(data), 100_000)]
+
+
+def test_an_object_only_its_etag_vouches_for_is_asked_for_as_one_range_of_all_its_bytes(
+    fake_endpoint: HttpFileServer, source: S3Source, tmp_path: Path
+) -> None:
+    data, obj = big_object(fake_endpoint)  # below FAST's part size: one request
+    download_all(source, [obj], tmp_path, FAST)
+    assert (tmp_path / "big.bin").read_bytes() == data
+    assert fake_endpoint.ranges == [(0, len(data))]
+
+
+def test_a_whole_object_range_a_store_ignores_is_accepted(
+    fake_endpoint: HttpFileServer, source: S3Source, tmp_path: Path
+) -> None:
+    data, obj = big_object(fake_endpoint)
+    fault = fake_endpoint.fail("/models/m/big.bin", Fault(ignore_range=True))
+    stats = download_all(source, [obj], tmp_path, FAST)
+    assert (tmp_path / "big.bin").read_bytes() == data and stats.retries == 0 and fault.used == 1
+
+
+def test_a_part_range_a_store_ignores_is_refused(
+    fake_endpoint: HttpFileServer, source: S3Source, tmp_path: Path
+) -> None:
+    _, obj = big_object(fake_endpoint)
+    fake_endpoint.fail("/models/m/big.bin", Fault(ignore_range=True))
+    with pytest.raises(TransientSourceError, match=r"m/big.bin \(bytes \d+-\d+\): the store ignored the Range header"):
+        download_all(source, [obj], tmp_path, PARTS)
+
+
+@pytest.mark.parametrize("listed", ["flexible-checksum", "no-etag"])
+def test_other_objects_are_asked_for_whole(
+    fake_endpoint: HttpFileServer, source: S3Source, tmp_path: Path, listed: str
+) -> None:
+    data, obj = big_object(fake_endpoint)
+    if listed == "flexible-checksum":  # asked for whole, with x-amz-checksum-mode: a range would not carry it
+        obj = dataclasses.replace(obj, checksum=Checksum(algorithm="sha256", value=hashlib.sha256(data).hexdigest()))
+    else:  # no ETag pins a range to the listed object
+        obj = dataclasses.replace(obj, version="")
+    download_all(source, [obj], tmp_path, FAST)
+    assert (tmp_path / "big.bin").read_bytes() == data
+    assert fake_endpoint.ranges == [] and [method for method, _ in fake_endpoint.requests] == ["GET"]
 
 
 def test_a_failed_part_is_retried_alone(fake_endpoint: HttpFileServer, source: S3Source, tmp_path: Path) -> None:

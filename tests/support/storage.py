@@ -322,6 +322,7 @@ class Fault:
     times: int | None = None  # only for the first N matching requests; None: always
     corrupt: bool = False  # flip the first byte of the body (headers still describe the true file)
     stall_after_bytes: int | None = None  # send this many body bytes (0: not even headers), then hang
+    ignore_range: bool = False  # answer a ranged GET with 200 and the whole file, as some servers do
     used: int = 0
 
 
@@ -417,7 +418,11 @@ class HttpFileServer:
             return web.Response(status=405)
         data = file.read_bytes()
         response = web.StreamResponse(headers=self._headers(file, data))
-        served = _byte_range(request.headers.get("Range", ""), len(data))
+        served = (
+            None
+            if fault is not None and fault.ignore_range
+            else _byte_range(request.headers.get("Range", ""), len(data))
+        )
         if served is not None:  # one "bytes=A-B" range, as S3 clients ask for parts
             self.ranges.append(served)
             response.set_status(206)
