@@ -49,6 +49,12 @@ def test_different_filesystems_are_refused(tmp_path: Path) -> None:
         layout.check()
 
 
+def test_a_layout_whose_mounts_cannot_be_read_is_judged_by_the_rest(tmp_path: Path) -> None:
+    (tmp_path / "models").mkdir()
+    (tmp_path / "staging").mkdir()
+    NodeLayout(repository=tmp_path / "models", staging=tmp_path / "staging").check(fdinfo=tmp_path / "no-proc")
+
+
 NESTINGS = [
     pytest.param("models", "models/staging", "leases", "staging", "repository", id="staging-in-repository"),
     pytest.param("node/models", "node", "leases", "repository", "staging", id="repository-in-staging"),

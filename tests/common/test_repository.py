@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.mounts import mount
+from tests.support.mounts import two_mounts as bind_mounts
 from tritonshare.common.errors import ExitCode, InstallConflict, InsufficientSpace, UsageError
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.repository import (
@@ -84,12 +86,6 @@ def test_a_record_is_readable_by_other_users_whatever_the_umask(node: NodeLayout
     assert [p.name for p in folder.iterdir()] == [RECORD_FILE]  # no temporary file left
 
 
-def mount(*args: str) -> None:
-    out = subprocess.run(["mount", *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount here (needs root): {out.stderr.strip()}")
-
-
 @pytest.fixture
 def full_disk(tmp_path: Path) -> Iterator[Path]:
     """A folder on a 1 MiB tmpfs with nothing free but what ``folder`` already holds."""
@@ -116,25 +112,17 @@ def test_a_record_written_on_a_full_disk_is_insufficient_space_and_the_old_one_s
 
 @pytest.fixture
 def two_mounts(tmp_path: Path) -> Iterator[NodeLayout]:
-    """models/ and staging/ as two bind mounts of one filesystem (two hostPath or subPath volumes): the same
-    st_dev, so the layout check passes, but rename(2) does not cross mounts."""
-    host, mounted = tmp_path / "host", tmp_path / "mnt"
-    for sub in ("models", "staging"):
-        (host / sub).mkdir(parents=True)
-        (mounted / sub).mkdir(parents=True)
-    mount("--bind", str(host / "models"), str(mounted / "models"))
-    try:
-        mount("--bind", str(host / "staging"), str(mounted / "staging"))
-        try:
-            yield NodeLayout(repository=mounted / "models", staging=mounted / "staging", leases=host / "leases")
-        finally:
-            subprocess.run(["umount", str(mounted / "staging")], check=True)
-    finally:
-        subprocess.run(["umount", str(mounted / "models")], check=True)
+    with bind_mounts(tmp_path) as layout:
+        yield layout
+
+
+def test_the_layout_check_finds_two_mounts_of_one_filesystem(two_mounts: NodeLayout) -> None:
+    with pytest.raises(UsageError, match=r"are separate mounts of one filesystem"):
+        two_mounts.check()
 
 
 def test_publishing_across_two_mounts_of_one_filesystem_is_a_usage_error(two_mounts: NodeLayout) -> None:
-    two_mounts.check()
+    # the mounts changed after the layout check: the rename says the same
     staged = new_staging_dir(two_mounts, "m")
     (staged / "1").mkdir()
     with pytest.raises(UsageError, match=r"are separate mounts .* mount one volume holding both folders") as info:

@@ -14,6 +14,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from tests.support.models import BROKEN_MODEL, write_model
+from tests.support.mounts import two_mounts
 from tests.support.ports import free_port
 from tests.support.storage import HttpFileServer, MotoS3, RcloneS3, make_tar
 from tests.support.triton import REPO_ROOT, TritonServer
@@ -229,6 +230,18 @@ def test_a_name_holding_another_model_exits_14_and_the_model_keeps_serving(
     failed(outcome, ExitCode.INSTALL_CONFLICT, f"installed from {first}", f"tritonshare unload --name {model_name}")
     assert node_entries(layout) == before
     infer_identity(triton, model_name)
+
+
+def test_staging_and_repository_on_two_mounts_exit_2_before_anything_is_fetched(
+    triton: TritonServer, http_server: HttpFileServer, tmp_path: Path
+) -> None:
+    archive = make_tar(write_model(tmp_path / "identity"), tmp_path / "identity.tar.gz", arcname="identity")
+    source = http_server.serve(archive)
+    with two_mounts(tmp_path / "node") as layout:
+        outcome = load(layout, triton.url, source, "identity", tmp_path)
+        failed(outcome, ExitCode.USAGE, "are separate mounts of one filesystem", "mount one volume holding both")
+        assert node_entries(layout) == set()
+    assert http_server.requests == []  # found before the download, not at the publishing rename after it
 
 
 def test_an_invalid_name_is_a_usage_error(layout: NodeLayout, triton: TritonServer, tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ DEFAULT_ROOT = Path("/var/lib/tritonshare")
 DEFAULT_REPOSITORY = DEFAULT_ROOT / "models"
 DEFAULT_STAGING = DEFAULT_ROOT / "staging"
 DEFAULT_LEASES = DEFAULT_ROOT / "leases"
+FDINFO = Path("/proc/self/fdinfo")
 
 # Triton model names are folder names; keep them to a portable, URL-safe set so the proxy can match
 # them exactly in paths and protobuf fields.
@@ -52,9 +53,9 @@ class NodeLayout:
     def model_dir(self, name: str) -> Path:
         return self.repository / name
 
-    def check(self) -> None:
+    def check(self, fdinfo: Path = FDINFO) -> None:
         """Both folders exist; repository, staging and leases are apart (none inside another) and staging is
-        on the repository's filesystem."""
+        on the repository's filesystem, through the same mount (``fdinfo``: where the kernel tells it)."""
         for label, path in (("repository", self.repository), ("staging", self.staging)):
             if not path.is_dir():
                 raise UsageError(f"{label} folder {path} does not exist — create it or mount the node folder")
@@ -68,9 +69,33 @@ class NodeLayout:
                 f"staging {staging} and repository {repo} are on different filesystems, so a model cannot "
                 "be published by one rename — put both under the same mount"
             )
+        mounts = {_mount_id(repo, fdinfo), _mount_id(staging, fdinfo)}
+        if len(mounts) > 1 and None not in mounts:
+            raise UsageError(
+                f"staging {staging} and repository {repo} are separate mounts of one filesystem, and rename(2) "
+                "does not cross mounts, so a model cannot be published — mount one volume holding both "
+                "folders, e.g. one hostPath for their parent, not one volume or subPath each"
+            )
 
     def _folders(self) -> dict[str, Path]:
         return {"repository": self.repository, "staging": self.staging, "leases": self.leases}
+
+
+def _mount_id(folder: Path, fdinfo: Path) -> str | None:
+    """The id of the mount ``folder`` is reached through, as the kernel resolved it (the ``mnt_id`` of an open
+    descriptor, proc(5)); None where it cannot be read (not Linux): the publishing rename then finds two
+    mounts out, after the download."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        with open(fdinfo / str(fd)) as info:
+            return next((line.split()[1] for line in info if line.startswith("mnt_id:")), None)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 # What goes wrong when a folder lies inside another, by the outer folder.

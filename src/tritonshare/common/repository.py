@@ -173,8 +173,9 @@ def disk_error(doing: str, exc: OSError) -> TritonshareError:
 
 
 def _move_error(layout: NodeLayout, source: Path, target: Path, exc: OSError) -> TritonshareError:
-    """EXDEV: staging and the repository are one filesystem (the layout check passed) mounted twice, and
-    ``rename(2)`` never crosses mounts — two hostPath or subPath volumes where one is needed."""
+    """EXDEV: staging and the repository are one filesystem mounted twice, and ``rename(2)`` never crosses
+    mounts — two hostPath or subPath volumes where one is needed. The layout check finds this before a
+    download; this is for mounts that changed since, or a kernel that did not say."""
     if exc.errno != errno.EXDEV:
         return disk_error(f"moving {source} to {target}", exc)
     return UsageError(
