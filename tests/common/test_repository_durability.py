@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from tritonshare.common.errors import TritonshareError
 from tritonshare.common.layout import NodeLayout
-from tritonshare.common.repository import InstallRecord, new_staging_dir, publish, write_record
+from tritonshare.common.repository import InstallRecord, flush_tree, new_staging_dir, publish, write_record
 
 STRACE = shutil.which("strace")
 _FSYNC = re.compile(r"^\d+ +fsync\(\d+<(?P<path>[^>]+)>")
@@ -113,3 +114,8 @@ def test_publishing_a_model_of_200_files_stays_cheap(node: NodeLayout) -> None:
     publish(node, staged, "m")
     assert time.monotonic() - started < 0.5
     assert len(list(node.model_dir("m").rglob("*.py"))) == 200
+
+
+def test_a_folder_that_cannot_be_listed_is_a_node_error_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(TritonshareError, match=rf"listing {tmp_path / 'gone'} to flush it failed: No such file"):
+        flush_tree(tmp_path / "gone")  # the staged folder removed under the loader (gc, or a person)

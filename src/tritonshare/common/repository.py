@@ -131,12 +131,15 @@ def _tree(root: Path) -> tuple[list[str], list[str]]:
     files, folders, pending = [], [], [str(root)]
     while pending:
         folders.append(folder := pending.pop())
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    pending.append(entry.path)
-                elif entry.is_file(follow_symlinks=False):
-                    files.append(entry.path)
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        pending.append(entry.path)
+                    elif entry.is_file(follow_symlinks=False):
+                        files.append(entry.path)
+        except OSError as exc:
+            raise disk_error(f"listing {folder} to flush it", exc) from exc
     folders.reverse()  # pre-order reversed: below before above
     return files, folders
 
