@@ -238,6 +238,16 @@ def test_an_object_only_its_etag_vouches_for_is_asked_for_as_one_range_of_all_it
     assert fake_endpoint.ranges == [(0, len(data))]
 
 
+def test_an_object_grown_since_listing_is_not_cut_to_the_listed_size(
+    fake_endpoint: HttpFileServer, source: S3Source, tmp_path: Path
+) -> None:
+    data, obj = big_object(fake_endpoint)  # this server does not honour If-Match
+    listed = dataclasses.replace(obj, size=len(data) - 1000, checksum=None, version='"multipart-2"')
+    with pytest.raises(TransientSourceError, match=r"m/big.bin: the store holds 'bytes 0-998999/1000000', not the "
+                       r"999000 bytes listed — the object changed since it was listed"):  # fmt: skip
+        download_all(source, [listed], tmp_path, FAST)
+
+
 def test_a_whole_object_range_a_store_ignores_is_accepted(
     fake_endpoint: HttpFileServer, source: S3Source, tmp_path: Path
 ) -> None:

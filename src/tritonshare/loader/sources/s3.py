@@ -170,6 +170,12 @@ class S3Source:
         if ranged and not _answers_range(response, ranged, whole=part is None):
             response.close()
             raise TransientSourceError(f"{what}: the store ignored the Range header")
+        if ranged and part is None and response.status != 200 and not _whole(response, obj.size):
+            response.close()  # a store that does not honour If-Match: the size tells
+            raise TransientSourceError(
+                f"{what}: the store holds {response.header('Content-Range')!r}, not the {obj.size} bytes listed "
+                "— the object changed since it was listed"
+            )
         return ResponseBody(response, what, network_error, None if ranged else flexible_checksum(response))
 
     def _whole_range(self, obj: RemoteObject) -> Part | None:
@@ -307,6 +313,11 @@ def _answers_range(response: Response, asked: Part, *, whole: bool) -> bool:
     if whole and response.status == 200:
         return True
     return (response.header("Content-Range") or "").startswith(f"bytes {asked.offset}-")
+
+
+def _whole(response: Response, size: int) -> bool:
+    """Whether a 206 answer to a whole-object range covers the object as listed: ``bytes 0-<size-1>/<size>``."""
+    return response.header("Content-Range") == f"bytes 0-{size - 1}/{size}"
 
 
 def _remote(key: str, relpath: str, size: int, etag: str) -> RemoteObject:
