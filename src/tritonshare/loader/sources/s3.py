@@ -23,14 +23,15 @@ GET asks for it (``x-amz-checksum-mode``); a ranged GET cannot, so for an object
 listing names such an algorithm, :meth:`S3Source.whole_checksum` asks a HEAD for it. The engine verifies
 the cheapest checksum stated.
 
-Whole objects as one range: an object with no flexible checksum listed (S3-compatible stores; objects
-uploaded to AWS before 2025) is asked for as ``Range: bytes=0-<size-1>``, pinned by ``If-Match``, as AWS's
-transfer manager and s5cmd ask for every object. The bytes and their MD5 check are the same; what changes is
-the store's side: ``rclone serve s3`` hashes a file read from its first byte without a seek (its VFS checks
-the read against the file's hash), a second MD5 of each object on the server, which a range (a seek) turns
-off: 17 % less server CPU, 15 % less time for 200 files of 256 KiB here (``docs/loader-speed.md``). An
-object with a listed flexible checksum is fetched whole, with ``x-amz-checksum-mode``: a ranged answer would
-not carry the checksum.
+Whole objects as one range: an object with no flexible checksum listed (S3-compatible stores; objects uploaded
+to AWS before 2025) is asked for as ``Range: bytes=0-<size-1>``, pinned by ``If-Match`` and by the answer's
+``Content-Range`` total (a store that ignores ``If-Match`` would otherwise cut an object grown since listing
+to the listed size), as AWS's transfer manager and s5cmd ask for every object. The bytes and their MD5 check
+are the same; what changes is the store's side: ``rclone serve s3`` hashes a file read from its first byte
+without a seek (its VFS checks the read against the file's hash), a second MD5 of each object on the server,
+which a range (a seek) turns off: 17 % less server CPU, 15 % less time for 200 files of 256 KiB here
+(``docs/loader-speed.md``). An object with a listed flexible checksum is fetched whole, with
+``x-amz-checksum-mode``: a ranged answer would not carry the checksum.
 """
 
 from __future__ import annotations
