@@ -24,6 +24,8 @@ DEFAULT_REPOSITORY = DEFAULT_ROOT / "models"
 DEFAULT_STAGING = DEFAULT_ROOT / "staging"
 DEFAULT_LEASES = DEFAULT_ROOT / "leases"
 FDINFO = Path("/proc/self/fdinfo")
+# what to do when staging and the repository are separate mounts (the layout check; the publishing rename)
+ONE_VOLUME = "mount one volume holding both folders, e.g. one hostPath for their parent, not one volume or subPath each"
 
 # Triton model names are folder names; keep them to a portable, URL-safe set so the proxy can match
 # them exactly in paths and protobuf fields.
@@ -73,8 +75,7 @@ class NodeLayout:
         if len(mounts) > 1 and None not in mounts:
             raise UsageError(
                 f"staging {staging} and repository {repo} are separate mounts of one filesystem, and rename(2) "
-                "does not cross mounts, so a model cannot be published — mount one volume holding both "
-                "folders, e.g. one hostPath for their parent, not one volume or subPath each"
+                f"does not cross mounts, so a model cannot be published — {ONE_VOLUME}"
             )
 
     def _folders(self) -> dict[str, Path]:

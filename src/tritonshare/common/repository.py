@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tritonshare.common.errors import InstallConflict, InsufficientSpace, TritonshareError, UsageError
-from tritonshare.common.layout import NodeLayout
+from tritonshare.common.layout import ONE_VOLUME, NodeLayout
 
 logger = logging.getLogger(__name__)
 
@@ -183,8 +183,7 @@ def _move_error(layout: NodeLayout, source: Path, target: Path, exc: OSError) ->
         return disk_error(f"moving {source} to {target}", exc)
     return UsageError(
         f"cannot move {source} to {target}: staging {layout.staging} and the repository {layout.repository} "
-        "are separate mounts (rename(2) does not cross mounts, even of one filesystem) — mount one volume "
-        "holding both folders, e.g. one hostPath for their parent, not one volume or subPath each"
+        f"are separate mounts (rename(2) does not cross mounts, even of one filesystem) — {ONE_VOLUME}"
     )
 
 
