@@ -2,13 +2,12 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.mounts import mount
+from tests.support.mounts import tmpfs
 from tests.support.mounts import two_mounts as bind_mounts
 from tritonshare.common.errors import ExitCode, InstallConflict, InsufficientSpace, UsageError
 from tritonshare.common.layout import NodeLayout
@@ -89,18 +88,13 @@ def test_a_record_is_readable_by_other_users_whatever_the_umask(node: NodeLayout
 @pytest.fixture
 def full_disk(tmp_path: Path) -> Iterator[Path]:
     """A folder on a 1 MiB tmpfs with nothing free but what ``folder`` already holds."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk))
-    try:
+    with tmpfs(tmp_path / "disk", "1m") as disk:
         (disk / "m").mkdir()
         write_record(disk / "m", RECORD)
         with pytest.raises(OSError, match="No space left"), open(disk / "filler", "wb", buffering=0) as out:
             while True:
                 out.write(bytes(64 << 10))
         yield disk / "m"
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
 def test_a_record_written_on_a_full_disk_is_insufficient_space_and_the_old_one_stays_whole(full_disk: Path) -> None:

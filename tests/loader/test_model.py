@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.models import DECOUPLED_CONFIG, IDENTITY_CONFIG, SLOW_CONFIG, write_model
+from tests.support.mounts import tmpfs
 from tritonshare.common.errors import ExitCode, InsufficientSpace, InvalidModel
 from tritonshare.loader.archive import unpack
 from tritonshare.loader.model import check_config, find_root, open_modes, prepare, with_name
@@ -406,15 +407,8 @@ def test_modes_are_set_exactly_through_unreadable_folders_and_links_are_not_foll
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A folder on its own 1 MiB tmpfs (needs root); unmounted after the test."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True, text=True)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "1m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
 def test_a_disk_that_fills_before_the_config_gets_its_name_is_insufficient_space(small_disk: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +19,7 @@ import pytest
 from aiohttp import web
 from bench.faults.node import Node
 
+from tests.support.mounts import tmpfs
 from tests.support.ports import free_port
 from tests.support.proxy import TRITONSHARE, ProxyProcess
 from tests.support.storage import HttpFileServer
@@ -115,17 +115,8 @@ def blob_server() -> Iterator[Callable[..., BlobServer]]:
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Node]:
     """A node folder on its own 16 MiB tmpfs (needs root, or CAP_SYS_ADMIN); unmounted after the test."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    out = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True, text=True
-    )
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {out.stderr.strip()}")
-    try:
-        yield Node(mount).create()
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=True)
+    with tmpfs(tmp_path / "disk", "16m") as disk:
+        yield Node(disk).create()
 
 
 # ------------------------------------------------------------------------------- recording stand-ins for Triton

@@ -19,6 +19,17 @@ def mount(*args: str) -> None:
 
 
 @contextmanager
+def tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """``folder`` (created) on its own tmpfs of ``size`` (mount's ``size=`` option, e.g. "1m"); unmounted after."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mount("-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder))
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+@contextmanager
 def two_mounts(root: Path) -> Iterator[NodeLayout]:
     """models/ and staging/ as two bind mounts of one filesystem (two hostPath or subPath volumes): the same
     st_dev, but rename(2) does not cross mounts."""
