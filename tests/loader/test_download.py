@@ -186,6 +186,21 @@ def test_a_file_used_as_a_folder_is_an_invalid_model(tmp_path: Path) -> None:
         download_all(source, source.objects(), tmp_path, FAST)
 
 
+def test_two_names_for_one_path_are_an_invalid_model(tmp_path: Path) -> None:
+    source = ScriptedSource({"1/model.py": b"x", "1//./model.py": b"y"})
+    with pytest.raises(InvalidModel, match="both map to '1//./model.py'"):
+        download_all(source, source.objects(), tmp_path, FAST)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_nested_folders_are_made_and_filled(tmp_path: Path) -> None:
+    payloads = {"config.pbtxt": b"c", "1/a/b/w.bin": b"w", "1/a/x.bin": b"x", "2/model.py": b"m"}
+    source = ScriptedSource(payloads)
+    download_all(source, source.objects(), tmp_path, FAST)
+    landed = {p.relative_to(tmp_path).as_posix(): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert landed == payloads
+
+
 def test_concurrency_is_bounded_by_the_option(tmp_path: Path) -> None:
     payloads = model_payloads(12)
 
