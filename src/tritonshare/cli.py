@@ -283,6 +283,13 @@ def unload(
     help="Bound on connecting to Triton; past it the request gets 503 / UNAVAILABLE.",
 )
 @option(
+    "--max-connections",
+    type=click.IntRange(min=0),
+    default=1024,
+    help="Client connections per port (REST, gRPC; each may hold one to Triton); more are turned away with "
+    "503 / GOAWAY. 0 = no cap.",
+)
+@option(
     "--max-inflight",
     type=click.IntRange(min=0),
     default=0,

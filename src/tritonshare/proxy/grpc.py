@@ -74,6 +74,8 @@ from collections.abc import Callable
 from tritonshare.proxy.grpc_connection import ClientConnection, OpenUpstream
 from tritonshare.proxy.grpc_streams import PROTOCOL
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
+from tritonshare.proxy.grpc_verdicts import Unavailable
+from tritonshare.proxy.overload import over_cap_message
 from tritonshare.proxy.state import ProxyState
 
 
@@ -90,6 +92,7 @@ class GrpcFrontend:
         self.open_upstream: OpenUpstream = open_upstream or self._open_upstream
         self._server: asyncio.Server | None = None
         self.connections: set[ClientConnection] = set()
+        state.metrics.count_connections(PROTOCOL, self.connections.__len__)
         self.draining = False
 
     @property
@@ -103,7 +106,7 @@ class GrpcFrontend:
         settings = self._state.settings
         tls = self._state.tls.server_context(PROTOCOL) if self._state.tls else None  # ALPN h2
         self._server = await loop.create_server(
-            lambda: ClientConnection(self, self._state),
+            self._accept,
             settings.host,
             settings.grpc_port,
             reuse_address=True,
@@ -113,6 +116,15 @@ class GrpcFrontend:
     def stop_accepting(self) -> None:
         if self._server is not None:
             self._server.close()
+
+    def _accept(self) -> asyncio.Protocol:
+        """A new client connection; past ``--max-connections`` one that answers UNAVAILABLE and goes away
+        (:mod:`tritonshare.proxy.overload`)."""
+        cap = self._state.settings.max_connections
+        if not cap or len(self.connections) < cap:
+            return ClientConnection(self, self._state)
+        why = Unavailable(over_cap_message(self._state.own, cap), "too_many_connections")
+        return ClientConnection(self, self._state, turned_away=why)
 
     def begin_drain(self) -> None:
         self.draining = True

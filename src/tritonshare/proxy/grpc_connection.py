@@ -20,6 +20,7 @@ from tritonshare.proxy.grpc_headers import ClientHeaders
 from tritonshare.proxy.grpc_messages import MessageInspector, Refusal
 from tritonshare.proxy.grpc_streams import PROTOCOL, IdleWatch, ResetBudget, Stream, StreamTable
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
+from tritonshare.proxy.grpc_verdicts import TRITON_DOWN, Unavailable
 from tritonshare.proxy.hpack_codec import HpackError
 from tritonshare.proxy.state import ProxyState
 
@@ -53,15 +54,18 @@ class Host(Protocol):
 class ClientConnection(asyncio.Protocol):
     """One client connection: judges its frames and forwards them to its own Triton connection."""
 
-    def __init__(self, host: Host, state: ProxyState) -> None:
+    def __init__(self, host: Host, state: ProxyState, *, turned_away: Unavailable | None = None) -> None:
+        """``turned_away``: the connection is past ``--max-connections`` (:mod:`tritonshare.proxy.overload`); it
+        answers the client's streams itself, then goes away."""
         self._host = host
+        self._turned_away = turned_away
         self._state = state
         self.transport: asyncio.Transport | None = None
         self._upstream: UpstreamConnection | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._pending: list[bytes] | None = []  # client bytes received while Triton's connection opens
         self._pending_size = 0
-        self._unavailable = False  # Triton could not be reached: answer every stream UNAVAILABLE
+        self._unavailable: Unavailable | None = None  # set: answer every stream UNAVAILABLE, for this reason
         self._partial: list[bytes | memoryview] = []  # pieces of a frame not yet complete
         self._partial_size = 0
         self._partial_need = 0  # that frame's full size (0: its 9-byte header is not complete yet)
@@ -72,6 +76,7 @@ class ClientConnection(asyncio.Protocol):
         self._paused = 0  # why reading the client is paused (_TRITON_FULL | _CLIENT_FULL | _PENDING_FULL)
         self._resets = ResetBudget()
         self._idle: IdleWatch | None = None  # once the client has sent bytes
+        self._silence: asyncio.TimerHandle | None = None  # until then
         self._streams = StreamTable(state, self._credit)
         self._active = self._streams.active  # read for every DATA frame
         self._answers = LocalAnswers(state, self._streams, self._to_client, self._close_if_drained)
@@ -111,6 +116,10 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        if self._turned_away is not None:  # takes no place, opens nothing at Triton
+            self._pending = None
+            self._become_unavailable(self._turned_away)
+            return
         self._host.connections.add(self)
         # Triton's connection opens with the client's first bytes, not at accept: bare TCP connects must not
         # hold connections on the node's shared Triton; one that stays silent is closed.
@@ -137,7 +146,7 @@ class ClientConnection(asyncio.Protocol):
                 self._host.upstream_address,
                 exc or "connect timeout",
             )
-            self._become_unavailable()
+            self._become_unavailable(TRITON_DOWN)
         else:
             if client.is_closing():
                 if upstream.transport is not None:
@@ -151,7 +160,8 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._host.connections.discard(self)
-        self._silence.cancel()
+        if self._silence is not None:
+            self._silence.cancel()
         if self._idle is not None:
             self._idle.cancel()
         if self._connecting is not None:
@@ -218,7 +228,7 @@ class ClientConnection(asyncio.Protocol):
         return self._goaway_last
 
     @property
-    def unavailable(self) -> bool:
+    def unavailable(self) -> Unavailable | None:
         return self._unavailable
 
     def expect_continuation(self, expected: bool) -> None:
@@ -268,7 +278,8 @@ class ClientConnection(asyncio.Protocol):
 
     def _first_bytes(self) -> None:
         """The client spoke: Triton's connection opens, and the connection is closed once idle for long."""
-        self._silence.cancel()
+        if self._silence is not None:
+            self._silence.cancel()
         self._connecting = asyncio.get_running_loop().create_task(self._connect())
         if (idle_s := self._state.settings.grpc_idle_timeout_s) > 0:
             self._idle = IdleWatch(self._streams, lambda: bool(self._answers.tasks), self._end_idle, idle_s)
@@ -477,10 +488,12 @@ class ClientConnection(asyncio.Protocol):
 
     # ---------------------------------------------------------------------------------- Triton down
 
-    def _become_unavailable(self) -> None:
-        """Triton cannot be reached: be a minimal HTTP/2 server that answers every stream UNAVAILABLE,
-        then GOAWAY (see :meth:`_relay`); a client that opens no stream is let go after a while."""
-        self._unavailable = True
+    def _become_unavailable(self, why: Unavailable) -> None:
+        """Triton cannot be reached, or the connection is turned away: be a minimal HTTP/2 server that answers
+        every stream UNAVAILABLE, then GOAWAY (see :meth:`_relay`); a client that opens no stream is let go after
+        a while. (A GOAWAY at once, before any stream, would not do: grpcio retries the calls it did not send,
+        transparently and at once, in a loop.)"""
+        self._unavailable = why
         self._headers.forget_forwarded()
         self._to_client(http2.settings({http2.SETTINGS_MAX_CONCURRENT_STREAMS: self._max_streams}))
         if self.transport is not None:

@@ -21,7 +21,7 @@ from tritonshare.proxy.grpc_admission import StreamGate
 from tritonshare.proxy.grpc_answers import LocalAnswers
 from tritonshare.proxy.grpc_messages import MessageInspector, MessageJudge
 from tritonshare.proxy.grpc_streams import StreamTable
-from tritonshare.proxy.grpc_verdicts import NewStreams
+from tritonshare.proxy.grpc_verdicts import NewStreams, Unavailable
 from tritonshare.proxy.hpack_codec import HeaderBlock, HeaderDecoder, encode_plain
 from tritonshare.proxy.policy import GrpcRule, Verdict
 from tritonshare.proxy.protobuf import MessageWalker
@@ -39,7 +39,7 @@ class Relay(Protocol):
     """What the header side needs of the connection whose client frames it reads."""
 
     @property
-    def unavailable(self) -> bool: ...  # Triton cannot be reached: every new stream is answered here
+    def unavailable(self) -> Unavailable | None: ...  # why every new stream is answered here, if it is
 
     @property
     def goaway_last(self) -> int | None: ...  # last stream id of the proxy's own GOAWAY, if sent

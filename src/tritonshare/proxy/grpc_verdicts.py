@@ -10,6 +10,7 @@ has ``grpc_max_streams`` streams open there (REFUSED_STREAM, which clients retry
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from tritonshare.proxy import http2
 from tritonshare.proxy.auth import MESSAGE as AUTH_MESSAGE
@@ -31,6 +32,16 @@ from tritonshare.proxy.state import ProxyState
 
 # Acts on a verdict for a new stream (its id and rule): the rule again if the stream goes to Triton.
 Action = Callable[[int, GrpcRule], GrpcRule | None]
+
+
+class Unavailable(NamedTuple):
+    """Why a connection answers every new stream UNAVAILABLE itself: the message clients see, the /metrics reason."""
+
+    message: str
+    reason: str
+
+
+TRITON_DOWN = Unavailable("Triton is not reachable from the proxy; retry later", "unavailable")
 
 
 class NewStreams:
@@ -56,10 +67,10 @@ class NewStreams:
         self._judged: tuple[HeaderBlock, GrpcRule | None] | None = None
 
     def judge(
-        self, stream_id: int, block: HeaderBlock, *, unavailable: bool, goaway_last: int | None
+        self, stream_id: int, block: HeaderBlock, *, unavailable: Unavailable | None, goaway_last: int | None
     ) -> GrpcRule | None:
-        """The rule of a new stream to forward to Triton; None once it is answered here. ``unavailable``: Triton
-        cannot be reached; ``goaway_last``: the last stream id of the connection's GOAWAY, if one was sent."""
+        """The rule of a new stream to forward to Triton; None once it is answered here. ``unavailable``: why no
+        stream goes to Triton; ``goaway_last``: the last stream id of the connection's GOAWAY, if one was sent."""
         judged = self._judged
         if judged is None or judged[0] is not block:
             judged = self._judged = (block, judge_grpc_method((block.path or b"").decode("latin-1")))
@@ -72,9 +83,8 @@ class NewStreams:
             self._state.refuse(PROTOCOL, "unknown", "protocol_error", "malformed")
         elif self._auth is not None and not self._authenticated(rule, block):
             self._answers.refuse_new(stream_id, route, GRPC_UNAUTHENTICATED, AUTH_MESSAGE, "unauthenticated")
-        elif unavailable:
-            message = "Triton is not reachable from the proxy; retry later"
-            self._answers.refuse_new(stream_id, route, GRPC_UNAVAILABLE, message, "unavailable")
+        elif unavailable is not None:
+            self._answers.refuse_new(stream_id, route, GRPC_UNAVAILABLE, unavailable.message, unavailable.reason)
         elif goaway_last is not None and stream_id > goaway_last:
             self._streams.answer_locally(stream_id)  # after GOAWAY: refused, the client may retry elsewhere
             self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))

@@ -123,6 +123,7 @@ class ProxyMetrics(Collector):
         self._refusals: dict[tuple[str, str, str], int] = {}  # (protocol, route, reason)
         self._inflight: dict[str, Inflight] = {}
         self._upstream_errors: dict[str, int] = {}
+        self._connections: dict[str, Callable[[], int]] = {}  # protocol → its front end's count
         self.registry.register(self)
 
     # -- the request path ------------------------------------------------------------------------------
@@ -139,6 +140,10 @@ class ProxyMetrics(Collector):
     def refused(self, protocol: str, route: str, reason: str) -> None:
         key = (protocol, route, reason)
         self._refusals[key] = self._refusals.get(key, 0) + 1
+
+    def count_connections(self, protocol: str, count: Callable[[], int]) -> None:
+        """Where the gauge of ``protocol``'s open client connections is read at scrape time."""
+        self._connections[protocol] = count
 
     def upstream_error(self, protocol: str) -> None:
         self._upstream_errors[protocol] = self._upstream_errors.get(protocol, 0) + 1
@@ -191,6 +196,14 @@ class ProxyMetrics(Collector):
         for protocol, gauge in list(self._inflight.items()):
             inflight.add_metric([model, protocol], gauge.value)
         yield inflight
+        connections = GaugeMetricFamily(
+            "tritonshare_proxy_client_connections",
+            "Client connections open (the cap is --max-connections per protocol).",
+            labels=["model", "protocol"],
+        )
+        for protocol, count in list(self._connections.items()):
+            connections.add_metric([model, protocol], count())
+        yield connections
         errors = CounterMetricFamily(
             "tritonshare_proxy_upstream_errors",
             "Failures to reach or keep a connection to Triton.",

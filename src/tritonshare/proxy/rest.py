@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 from tritonshare.common.errors import UsageError
 from tritonshare.proxy import admission, auth
-from tritonshare.proxy.http1 import RequestHead, parse_request_head, upstream_head
+from tritonshare.proxy.http1 import RequestHead, error_response, parse_request_head, upstream_head
 from tritonshare.proxy.metrics import RouteMeter
+from tritonshare.proxy.overload import TurnedAway, over_cap_message
 from tritonshare.proxy.policy import RestDecision, judge_rest
 from tritonshare.proxy.rest_connection import WHOLE_BODY_BYTES, ClientConnection
 from tritonshare.proxy.rest_upstream import PROTOCOL, UpstreamPool
@@ -153,6 +154,7 @@ class RestFrontend:
         self.idle_timeout_s = idle_timeout_s
         self.pool = UpstreamPool(url.hostname or "127.0.0.1", url.port or 80, settings.connect_timeout_s, state)
         self.connections: set[ClientConnection] = set()
+        state.metrics.count_connections(PROTOCOL, self.connections.__len__)
         self.heads: dict[bytes, Judged] = {}
         self.decisions: dict[tuple[str, str], RestDecision] = {}
         self._server: asyncio.Server | None = None
@@ -171,7 +173,7 @@ class RestFrontend:
         tls = self.state.tls.server_context(PROTOCOL) if self.state.tls is not None else None
         try:
             self._server = await loop.create_server(
-                lambda: ClientConnection(self),
+                self._accept,
                 settings.host,
                 settings.http_port,
                 backlog=1024,
@@ -189,6 +191,15 @@ class RestFrontend:
     def stop_accepting(self) -> None:
         if self._server is not None:
             self._server.close()
+
+    def _accept(self) -> asyncio.Protocol:
+        """A new client connection, or, past ``--max-connections``, a 503 (:mod:`tritonshare.proxy.overload`)."""
+        cap = self.state.settings.max_connections
+        if not cap or len(self.connections) < cap:
+            return ClientConnection(self)
+        self.state.metrics.refused(PROTOCOL, "connection", "too_many_connections")
+        message = over_cap_message(self.state.own, cap)
+        return TurnedAway(error_response(503, message, close=True, headers=b"Retry-After: 1\r\n"))
 
     def begin_drain(self) -> None:
         for connection in list(self.connections):

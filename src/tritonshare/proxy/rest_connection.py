@@ -42,6 +42,7 @@ from tritonshare.proxy.inspect import (
     check_plain_body,
 )
 from tritonshare.proxy.metrics import BUCKETS
+from tritonshare.proxy.overload import LINGER_S
 from tritonshare.proxy.policy import REST_SERVER_ROUTES, SHM_MARKER
 from tritonshare.proxy.rest_exchange import Exchange
 from tritonshare.proxy.rest_upstream import CONNECTING, PROTOCOL, UPSTREAM_FULL, UPSTREAM_IDLE_S, Upstream
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-LINGER_S = 2.0  # after the proxy closes a connection, how long it still reads (and drops) what the client sends
 WHOLE_BODY_BYTES = 64 * 1024  # a body that came with its head is sent with it in one write, up to this
 READY_ROUTE = REST_SERVER_ROUTES["/v2/health/ready"].route  # not ready from the moment draining begins
 _EMPTY_LINES = re.compile(rb"(?:\r\n)*")

@@ -37,9 +37,12 @@ from tritonshare.proxy.triton_metrics import TritonModelMetrics, default_url
 logger = logging.getLogger(__name__)
 
 
+SPARE_FILES = 64  # listening sockets, the metrics server, Triton's metrics and readiness, files read
+
+
 def run(settings: ProxySettings) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code."""
-    raise_open_files_limit()
+    raise_open_files_limit(settings.max_connections)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
@@ -47,15 +50,26 @@ def run(settings: ProxySettings) -> int:
     return uvloop.run(serve(settings))
 
 
-def raise_open_files_limit() -> None:
+def raise_open_files_limit(max_connections: int) -> None:
     """Lift the soft limit on open files to the hard one (as nginx's worker_rlimit_nofile does): every
-    client connection also holds one to Triton, and containers often start with a soft limit of 1024."""
+    client connection also holds one to Triton, and containers often start with a soft limit of 1024. Warn
+    when the limit stays below what ``max_connections`` per port may use: past it accepts fail for everyone."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
         except (ValueError, OSError) as exc:
             logger.warning("could not raise the open-files limit from %d to %d: %s", soft, hard, exc)
+    needed = 4 * max_connections + SPARE_FILES  # two ports; each client connection may hold one to Triton
+    if max_connections and soft != resource.RLIM_INFINITY and soft < needed:
+        logger.warning(
+            "the open-files limit (%d) is below the %d that --max-connections %d may use: raise the container's "
+            "nofile limit or lower --max-connections",
+            soft,
+            needed,
+            max_connections,
+        )
 
 
 async def serve(

@@ -1,0 +1,54 @@
+"""Client connections past ``--max-connections``: told why, then closed.
+
+Each front end keeps at most ``max_connections`` client connections (0: no cap). Every one may hold a
+connection to the node's shared Triton too (gRPC always, REST while it has requests), so without a cap one
+tenant's connection flood would spend the proxy's open files (then every accept fails, for all its clients)
+and Triton's. One more is accepted, takes no place and opens nothing at Triton, and is answered in its
+protocol's words:
+
+- REST: :class:`TurnedAway` writes ``503`` with ``Retry-After`` at once and half-closes; what the client sends
+  meanwhile is read and dropped for up to :data:`LINGER_S`, so that it reads the answer rather than a reset.
+- gRPC: the connection answers each stream the client opens UNAVAILABLE with the reason, then GOAWAY
+  (:meth:`tritonshare.proxy.grpc_connection.ClientConnection._become_unavailable`, as when Triton is down).
+
+Each answer counts as a refusal with reason ``too_many_connections``. With TLS a connection counts once its
+handshake is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import cast
+
+LINGER_S = 2.0  # after the proxy closes a connection, how long it still reads (and drops) what the client sends
+
+
+def over_cap_message(model: str, cap: int) -> str:
+    return (
+        f"the proxy of model '{model}' holds its maximum of {cap} client connections (--max-connections); "
+        "reuse a connection, close idle ones, or retry later"
+    )
+
+
+class TurnedAway(asyncio.Protocol):
+    """A connection past the cap: ``answer`` is written, then the connection ends."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self.linger: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        writer = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        writer.write(self.answer)
+        if writer.can_write_eof():  # TLS has no half-close: close at once (after the answer, with close_notify)
+            writer.write_eof()
+            self.linger = asyncio.get_running_loop().call_later(LINGER_S, writer.close)
+        else:
+            writer.close()
+
+    def data_received(self, data: bytes) -> None:
+        pass  # dropped: the answer is already written
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.linger is not None:
+            self.linger.cancel()
