@@ -287,7 +287,7 @@ def unload(
     type=click.IntRange(min=0),
     default=1024,
     help="Client connections per port (REST, gRPC; each may hold one to Triton); more are turned away with "
-    "503 / GOAWAY. 0 = no cap.",
+    "503 / UNAVAILABLE. 0 = no cap.",
 )
 @option(
     "--max-inflight",
