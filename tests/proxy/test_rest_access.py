@@ -37,6 +37,7 @@ from tritonshare.common.layout import NodeLayout
 from tritonshare.proxy.rest import RestFrontend
 from tritonshare.proxy.settings import ProxySettings
 from tritonshare.proxy.state import ProxyState
+from tritonshare.proxy.tls import HANDSHAKE_TIMEOUT_S
 
 pytestmark = pytest.mark.triton
 
@@ -435,6 +436,25 @@ def test_tls_connection_close_ends_at_once(
             while chunk := tls.recv(65536):  # an HTTP/1.0 client reads until the connection ends
                 answer += chunk
             assert answer.startswith(b"HTTP/1.1 200") and time.monotonic() - started < 1.0
+
+
+def test_a_tls_handshake_that_never_comes_ends_the_connection_on_both_ports(
+    start_proxy: Callable[..., ProxyProcess],
+    served_models: ServedModels,
+    tls_files: tuple[CertificateAuthority, Path, Path, Path],
+) -> None:
+    """It holds an open file and no place under --max-connections: bounded by HANDSHAKE_TIMEOUT_S, not 60 s."""
+    _, _, cert, key = tls_files
+    proxy = start_proxy(served_models.own, "--no-unload", "--tls-cert", str(cert), "--tls-key", str(key))
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=30) for port in (proxy.http_port, proxy.grpc_port)]
+    started = time.monotonic()
+    for sock in silent:
+        with sock:
+            try:
+                assert sock.recv(1) == b""
+            except ConnectionResetError:
+                pass
+    assert HANDSHAKE_TIMEOUT_S - 0.5 < time.monotonic() - started < HANDSHAKE_TIMEOUT_S + 5
 
 
 def test_a_rotated_certificate_reaches_new_connections_without_a_restart(

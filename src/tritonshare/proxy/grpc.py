@@ -77,6 +77,7 @@ from tritonshare.proxy.grpc_upstream import UpstreamConnection
 from tritonshare.proxy.grpc_verdicts import Unavailable
 from tritonshare.proxy.overload import over_cap_message
 from tritonshare.proxy.state import ProxyState
+from tritonshare.proxy.tls import HANDSHAKE_TIMEOUT_S
 
 
 class GrpcFrontend:
@@ -111,6 +112,7 @@ class GrpcFrontend:
             settings.grpc_port,
             reuse_address=True,
             ssl=tls,
+            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls is not None else None,
         )
 
     def stop_accepting(self) -> None:

@@ -39,6 +39,7 @@ from tritonshare.proxy.policy import RestDecision, judge_rest
 from tritonshare.proxy.rest_connection import WHOLE_BODY_BYTES, ClientConnection
 from tritonshare.proxy.rest_upstream import PROTOCOL, UpstreamPool
 from tritonshare.proxy.state import ProxyState
+from tritonshare.proxy.tls import HANDSHAKE_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,7 @@ class RestFrontend:
                 backlog=1024,
                 reuse_address=True,
                 ssl=tls,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls is not None else None,
             )
         except OSError as exc:
             raise UsageError(

@@ -14,7 +14,8 @@ hand-made rotation may show a new certificate with the old key for a moment) kee
 in service; the check is repeated at the next interval and the failure is logged once.
 
 ALPN per front end (:data:`ALPN`): gRPC requires ``h2``; REST speaks HTTP/1.1 only. TLS 1.2 at least, AEAD
-ciphers only (RFC 7540 §9.2.2 forbids the rest for HTTP/2), no renegotiation. No client certificates.
+ciphers only (RFC 7540 §9.2.2 forbids the rest for HTTP/2), no renegotiation. No client certificates. A
+handshake not done within :data:`HANDSHAKE_TIMEOUT_S` ends the connection.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from tritonshare.common.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
+# A handshake must end within this: until it does, a connection holds an open file but no place under
+# --max-connections (asyncio's default is 60 s; a handshake takes milliseconds).
+HANDSHAKE_TIMEOUT_S = 10.0
 # The ALPN protocols each front end offers, by its Frontend.protocol name.
 ALPN: dict[str, tuple[str, ...]] = {"rest": ("http/1.1",), "grpc": ("h2",)}
 # TLS 1.2 suites (TLS 1.3 ones are separate and all AEAD): forward secret, AEAD (HTTP/2's rule for gRPC).
