@@ -54,18 +54,19 @@ class Host(Protocol):
 class ClientConnection(asyncio.Protocol):
     """One client connection: judges its frames and forwards them to its own Triton connection."""
 
+    _silence: asyncio.TimerHandle | None  # closes a connection that stays silent (from connection_made)
+
     def __init__(self, host: Host, state: ProxyState, *, turned_away: Unavailable | None = None) -> None:
         """``turned_away``: the connection is past ``--max-connections`` (:mod:`tritonshare.proxy.overload`); it
         answers the client's streams itself, then goes away."""
         self._host = host
-        self._turned_away = turned_away
         self._state = state
         self.transport: asyncio.Transport | None = None
         self._upstream: UpstreamConnection | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._pending: list[bytes] | None = []  # client bytes received while Triton's connection opens
         self._pending_size = 0
-        self._unavailable: Unavailable | None = None  # set: answer every stream UNAVAILABLE, for this reason
+        self._unavailable = turned_away  # set: answer every stream UNAVAILABLE, for this reason
         self._partial: list[bytes | memoryview] = []  # pieces of a frame not yet complete
         self._partial_size = 0
         self._partial_need = 0  # that frame's full size (0: its 9-byte header is not complete yet)
@@ -76,7 +77,6 @@ class ClientConnection(asyncio.Protocol):
         self._paused = 0  # why reading the client is paused (_TRITON_FULL | _CLIENT_FULL | _PENDING_FULL)
         self._resets = ResetBudget()
         self._idle: IdleWatch | None = None  # once the client has sent bytes
-        self._silence: asyncio.TimerHandle | None = None  # until then
         self._streams = StreamTable(state, self._credit)
         self._active = self._streams.active  # read for every DATA frame
         self._answers = LocalAnswers(state, self._streams, self._to_client, self._close_if_drained)
@@ -116,9 +116,9 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
-        if self._turned_away is not None:  # takes no place, opens nothing at Triton
-            self._pending = None
-            self._become_unavailable(self._turned_away)
+        if self._unavailable is not None:  # turned away: takes no place, opens nothing at Triton
+            self._pending, self._silence = None, None
+            self._become_unavailable(self._unavailable)
             return
         self._host.connections.add(self)
         # Triton's connection opens with the client's first bytes, not at accept: bare TCP connects must not
