@@ -8,8 +8,9 @@ whole response, pass through as bytes, as they arrive (server-sent events of ``g
 
 The pieces: :class:`RestFrontend` here listens (with TLS when configured, ALPN http/1.1), keeps the memo of
 judged heads and the timeout sweep; each client connection is a
-:class:`~tritonshare.proxy.rest_connection.ClientConnection` (requests, answers, authentication, admission
-control), whose :class:`~tritonshare.proxy.rest_upstream.Upstream` is its connection to Triton (1:1, with a
+:class:`~tritonshare.proxy.rest_connection.ClientConnection` (the short path, flow control, timeouts; the general
+path of requests, with authentication, admission control and answers, in :mod:`tritonshare.proxy.rest_requests`),
+whose :class:`~tritonshare.proxy.rest_upstream.Upstream` is its connection to Triton (1:1, with a
 small pool of idle ones shared by the front end). Back-pressure both ways: reading from one side
 pauses while the other side's write buffer is full, so a large tensor streams through in bounded memory.
 
@@ -36,7 +37,8 @@ from tritonshare.proxy.http1 import RequestHead, error_response, parse_request_h
 from tritonshare.proxy.metrics import RouteMeter
 from tritonshare.proxy.overload import TurnedAway, over_cap_message
 from tritonshare.proxy.policy import RestDecision, judge_rest
-from tritonshare.proxy.rest_connection import WHOLE_BODY_BYTES, ClientConnection
+from tritonshare.proxy.rest_connection import ClientConnection
+from tritonshare.proxy.rest_requests import WHOLE_BODY_BYTES
 from tritonshare.proxy.rest_upstream import PROTOCOL, UpstreamPool
 from tritonshare.proxy.state import ProxyState
 from tritonshare.proxy.tls import HANDSHAKE_TIMEOUT_S

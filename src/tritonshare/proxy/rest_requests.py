@@ -1,0 +1,336 @@
+"""How a request on a REST client connection goes when it cannot take the short path: its head read and
+judged, the request admitted, then forwarded whole or streamed (its body held for the check when it must be) or
+answered here; then on to the next request. :class:`RequestPath` is the base of
+:class:`~tritonshare.proxy.rest_connection.ClientConnection`, which owns the state it reads (declared below),
+the connection's lifecycle, the short path, flow control and Triton's side.
+
+After the head is judged, in order: draining (503); the bearer token when authentication is on (401 with
+``WWW-Authenticate``; probes are open; checked per request, never memoised, so a changed token file counts at
+once); the policy verdict; admission control for inference routes when it is on: the request takes a slot of
+the model's :class:`~tritonshare.proxy.admission.Admission`, or waits for one (parked: what the client sends
+meanwhile is kept, up to a bound) and is refused with 429 + ``Retry-After`` if the wait fails. A slot goes back
+exactly once (:meth:`RequestPath._settle`): at the end of the response, when Triton fails, when the request is
+refused after admission (its body fails the check), or when the client goes — but a request that Triton got
+whole keeps its slot until Triton has answered it (the response is read and dropped), so clients that give up
+and retry cannot push more than the cap into Triton."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from typing import TYPE_CHECKING
+
+from tritonshare.proxy import admission, auth
+from tritonshare.proxy.http1 import CONTINUE, HttpError, error_response
+from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_plain_body
+from tritonshare.proxy.policy import REST_SERVER_ROUTES
+from tritonshare.proxy.rest_exchange import Exchange
+from tritonshare.proxy.rest_upstream import PROTOCOL, Upstream
+
+if TYPE_CHECKING:
+    from tritonshare.proxy.rest import Judged, RestFrontend
+    from tritonshare.proxy.state import ProxyState
+
+logger = logging.getLogger(__name__)
+
+WHOLE_BODY_BYTES = 64 * 1024  # a body that came with its head is sent with it in one write, up to this
+READY_ROUTE = REST_SERVER_ROUTES["/v2/health/ready"].route  # not ready from the moment draining begins
+_EMPTY_LINES = re.compile(rb"(?:\r\n)*")
+
+# Why client reading is paused (bits; CONNECTING = 1 and UPSTREAM_FULL = 2 come from rest_upstream): a pipelined
+# request waiting for the current response, a request waiting for an admission slot, the client not reading.
+BACKLOG, ADMISSION, CLIENT_FULL = 4, 8, 16
+
+_REFUSAL_REASONS = {400: "bad_request", 403: "denied", 404: "not_found", 405: "method"}
+_CHALLENGE = b"WWW-Authenticate: " + auth.WWW_AUTHENTICATE + b"\r\n"
+
+
+class RequestPath:
+    """The general path of the requests of one client connection (see the module docstring)."""
+
+    # The connection's state, set by ClientConnection.__init__.
+    fe: RestFrontend
+    state: ProxyState
+    upstream: Upstream | None
+    buf: bytes  # client bytes not yet acted on
+    exchange: Exchange | None  # the request in progress
+    spare: Exchange
+    close_after: bool
+    drain_grace: bool
+    closing: bool
+    paused: int
+    progress: int
+
+    # What the connection does for this path.
+
+    def pause(self, reason: int) -> None:
+        raise NotImplementedError
+
+    def unpause(self, reason: int) -> None:
+        raise NotImplementedError
+
+    def _write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def _shutdown(self) -> None:
+        raise NotImplementedError
+
+    def _upstream(self) -> Upstream:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------ requests
+
+    def _consume(self, data: bytes) -> None:
+        while data and not self.closing:
+            ex = self.exchange
+            if ex is None:
+                if self.paused & CLIENT_FULL:  # answers wait for the client to read them: so does its next request
+                    self.buf = data
+                    return
+                data = self._read_head(data)
+            elif ex.request_done:  # a pipelined request: it waits for the current response
+                self.buf = data
+                if len(data) > self.fe.max_header_bytes:
+                    self.pause(BACKLOG)
+                return
+            elif ex.ticket is not None:  # its request waits for a slot: keep what comes, up to a bound
+                self.buf = data
+                if len(data) > self.fe.max_header_bytes:
+                    self.pause(ADMISSION)
+                return
+            else:
+                data = self._read_body(ex, data)
+
+    def _read_head(self, data: bytes) -> bytes:
+        if data[:2] == b"\r\n":  # empty lines before a request line are ignored (RFC 9112 §2.2)
+            lines = _EMPTY_LINES.match(data)
+            return data[lines.end() :] if lines is not None else data
+        raw, found, rest = data.partition(b"\r\n\r\n")
+        limit = self.fe.max_header_bytes
+        if found and len(raw) <= limit:
+            try:
+                judged = self.fe.judge(raw)
+            except HttpError as exc:
+                self._fail(exc)
+                return b""
+            return self._start(judged, rest)
+        if found or len(data) > limit:
+            self._fail(HttpError(431, f"request head larger than {limit} bytes", "too_large"))
+        else:
+            self.buf = data
+        return b""
+
+    def _start(self, judged: Judged, rest: bytes) -> bytes:
+        ex = self.exchange = self.spare.start(judged)
+        self.progress += 1
+        tokens = self.state.auth
+        if self.state.draining and (not self.drain_grace or judged.route == READY_ROUTE):
+            self._refuse(ex, 503, "the proxy is shutting down; retry on another replica", "draining", close=True)
+        elif tokens is not None and not judged.open and not tokens.check_http(judged.head.authorization):
+            self._refuse(ex, auth.HTTP_STATUS, auth.MESSAGE, "unauthenticated", headers=_CHALLENGE)
+        elif judged.decision.status:
+            status = judged.decision.status
+            self._refuse(ex, status, judged.decision.message, _REFUSAL_REASONS.get(status, "denied"))
+        else:
+            self.drain_grace = False
+            if not judged.head.keep_alive:
+                self.close_after = True
+            if judged.limited and self.state.admission.active and not self._admit(ex, rest):
+                return b""
+            return self._forward(ex, rest)
+        return rest
+
+    def _admit(self, ex: Exchange, rest: bytes) -> bool:
+        """Take an admission slot (True), or park the request until :meth:`_admitted`: what comes meanwhile is
+        kept, up to ``max_header_bytes``, then client reading pauses. Reading goes on below that so that a
+        client that leaves is seen (a paused transport does not report the close) and gives up its place."""
+        gate = self.state.admission
+        if gate.try_acquire():
+            ex.holding = True
+            return True
+        self.buf = rest
+        if len(rest) > self.fe.max_header_bytes:
+            self.pause(ADMISSION)
+        ex.ticket = gate.enqueue(functools.partial(self._admitted, ex))
+        return False
+
+    def _admitted(self, ex: Exchange, refusal: admission.Refusal | None) -> None:
+        """Admission's answer for a parked request: forward it now, or refuse it (429)."""
+        ex.ticket = None
+        if ex is not self.exchange or self.closing:  # not expected: a client that goes cancels its ticket
+            if refusal is None:
+                self.state.admission.release()
+            return
+        data, self.buf = self.buf, b""
+        self.unpause(ADMISSION)
+        if refusal is not None:
+            retry = b"Retry-After: %d\r\n" % refusal.retry_after_s
+            self._refuse(ex, admission.HTTP_STATUS, refusal.message, refusal.reason, headers=retry)
+        else:
+            ex.holding = True
+            data = self._forward(ex, data)
+        self._consume(data)
+
+    def _forward(self, ex: Exchange, rest: bytes) -> bytes:
+        judged = ex.judged
+        if judged.whole and len(rest) >= judged.length:
+            return self._forward_whole(ex, rest)
+        return self._forward_streamed(ex, rest)
+
+    def _forward_whole(self, ex: Exchange, rest: bytes) -> bytes:
+        """The whole plain body came with its head. Check it; head and body in one write."""
+        judged = ex.judged
+        size = judged.length
+        body = rest if len(rest) == size else rest[:size]
+        if judged.inspect:
+            try:
+                check_plain_body(body, judged.json_length, self.fe.rules.max_json_bytes)
+            except BodyRefused as exc:
+                self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
+                return rest  # the body is read and dropped
+        ex.request_done = True
+        if size <= WHOLE_BODY_BYTES:
+            self._begin(ex, judged.upstream + body if size else judged.upstream)
+        else:
+            self._begin(ex, judged.upstream)
+            self._upstream().write(body)
+        return rest[size:] if len(rest) > size else b""
+
+    def _forward_streamed(self, ex: Exchange, rest: bytes) -> bytes:
+        """A body still to come (or chunked, or encoded): hold it for the check if needed, else stream it."""
+        judged, head = ex.judged, ex.judged.head
+        self._upstream()  # connect while the body arrives
+        check = None
+        if judged.inspect and judged.json_length != 0:
+            try:
+                check = InferBodyCheck(
+                    encoding=head.content_encoding,
+                    json_length=judged.json_length,
+                    max_json_bytes=self.fe.rules.max_json_bytes,
+                )
+            except BodyRefused as exc:
+                self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
+                return rest
+            ex.held = True  # not in flight until the check passes, but a drain waits for it
+            self.state.held += 1
+        ex.body = RequestBody(judged.length, head.chunked, check)
+        if head.expect_continue:
+            self._write(CONTINUE)
+        if check is None:
+            self._begin(ex, judged.upstream)
+        if not head.has_body:
+            self._request_done(ex)
+        return rest
+
+    def _read_body(self, ex: Exchange, data: bytes) -> bytes:
+        body = ex.body
+        assert body is not None
+        self.progress += 1
+        was_ready = body.ready
+        try:
+            end = body.feed(data)
+        except HttpError as exc:
+            self._fail(exc)
+            return b""
+        refusal = body.refusal
+        if refusal is not None and not ex.response_done:
+            self._refuse(ex, refusal.status, refusal.message, refusal.reason, close=refusal.status == 413)
+        elif body.ready and not was_ready:
+            self._begin(ex, ex.judged.upstream)  # the check passed: the head, then what was held
+        for piece in body.take():
+            self._upstream().write(piece)
+        if end < 0 or self.closing:
+            return b""
+        self._request_done(ex)
+        return data[end:] if end < len(data) else b""
+
+    def _begin(self, ex: Exchange, data: bytes) -> None:
+        """Forward: the request is in flight from here on."""
+        ex.forwarded = True
+        ex.started = ex.judged.meter.begin()
+        if ex.held:
+            self._unhold(ex)
+        self._upstream().request(data)
+
+    def _request_done(self, ex: Exchange) -> None:
+        ex.request_done = True
+        if ex.response_done:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Both the request and its response are complete: on to the next request, if any."""
+        self.exchange = None
+        self.progress += 1
+        if self.close_after:
+            self._shutdown()
+            return
+        if self.paused & BACKLOG:
+            self.unpause(BACKLOG)  # and on to the next request, unless something else pauses
+        elif self.buf and not self.paused:
+            data, self.buf = self.buf, b""
+            self._consume(data)
+
+    def _settle(self, ex: Exchange) -> None:
+        """The exchange has its answer (or never will): its admission slot, if any, goes back."""
+        ex.response_done = True
+        if ex.holding:
+            ex.holding = False
+            self.state.admission.release()
+        if ex.held:
+            self._unhold(ex)
+
+    def _unhold(self, ex: Exchange) -> None:
+        ex.held = False
+        self.state.held -= 1
+
+    # ------------------------------------------------------------------------------------ answers
+
+    def _refuse(
+        self, ex: Exchange, status: int, message: str, reason: str, *, close: bool = False, headers: bytes = b""
+    ) -> None:
+        """Answer a request here; the rest of its body is read and dropped (or the connection closes)."""
+        self.state.refuse(PROTOCOL, ex.judged.route, str(status), reason)
+        head = ex.judged.head
+        logger.debug("refused %s %s with %d: %s", head.method, head.target, status, message)
+        self._settle(ex)
+        # After "Expect: 100-continue" the client may or may not send the body: only closing is unambiguous.
+        close = close or self.close_after or not head.keep_alive or (head.expect_continue and head.has_body)
+        self._write(error_response(status, message, close=close, headers=headers))
+        if close:
+            self._shutdown()
+        elif ex.body is not None:
+            ex.body.drop()
+        elif head.has_body:
+            ex.body = RequestBody(ex.judged.length, head.chunked).drop()
+        else:
+            self._request_done(ex)
+
+    def _fail(self, exc: HttpError) -> None:
+        """A request that cannot be read further (malformed head or chunked body): answer and close."""
+        logger.debug("malformed request: %s", exc.message)
+        ex = self.exchange
+        answered = ex is not None and self._answered(ex)
+        self._give_up(ex, exc.status, None if answered else exc.message, exc.reason)
+
+    def _answered(self, ex: Exchange) -> bool:
+        """Triton's answer to this request is on its way to the client: the proxy cannot answer it any more."""
+        upstream = self.upstream
+        return ex.forwarded and upstream is not None and upstream.answered
+
+    def _give_up(self, ex: Exchange | None, status: int, message: str | None, reason: str) -> None:
+        """End the exchange (if any, and not answered yet) with ``status``, say ``message`` unless None, and
+        close the connection. A request Triton got part of loses that connection too (see :meth:`_shutdown`)."""
+        if ex is None:
+            self.state.refuse(PROTOCOL, "malformed", str(status), reason)
+        elif not ex.response_done:
+            if ex.forwarded:
+                ex.judged.meter.end(str(status), ex.started)
+            else:
+                self.state.refuse(PROTOCOL, ex.judged.route, str(status), reason)
+            self._settle(ex)
+        else:
+            message = None  # already answered (a refused request's body turned out malformed)
+        if message is not None:
+            self._write(error_response(status, message, close=True))
+        self._shutdown()
