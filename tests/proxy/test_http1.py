@@ -31,7 +31,7 @@ def test_a_plain_request_head_is_read() -> None:
     )
     assert (head.method, head.target, head.http10) == ("POST", "/v2/models/m/infer?x=1", False)
     assert head.content_length == 12 and not head.chunked and head.keep_alive
-    assert head.fields == b"Host: proxy:9000\r\nX-Trace: a b\r\n"  # framing is rebuilt, not forwarded
+    assert head.fields == b"Host: proxy:9000\r\nContent-Length: 12\r\nX-Trace: a b\r\n"  # framing rebuilt in place
 
 
 @pytest.mark.parametrize(
@@ -137,9 +137,29 @@ def test_hop_by_hop_connection_named_and_stripped_headers_are_not_forwarded() ->
     )
     # Connection cannot drop a header the proxy interprets; interpreted headers get one exact spelling.
     assert head.fields == (
-        b"Host: h\r\nContent-Encoding: gzip\r\nInference-Header-Content-Length: 7\r\nAccept: */*\r\n"
+        b"Host: h\r\nContent-Encoding: gzip\r\nInference-Header-Content-Length: 7\r\nContent-Length: 9\r\n"
+        b"Accept: */*\r\n"
     )
     assert head.expect_continue and head.content_encoding == "gzip" and head.inference_header_length == 7
+
+
+@pytest.mark.parametrize(
+    ("framing", "rebuilt"),
+    [
+        ("Content-Length: 4", b"Content-Length: 4"),
+        ("content-length:   004 ", b"Content-Length: 4"),
+        ("Transfer-Encoding: chunked", b"Transfer-Encoding: chunked"),
+        ("transfer-encoding: Chunked", b"Transfer-Encoding: chunked"),
+    ],
+)
+def test_framing_is_rebuilt_where_the_client_put_it(framing: str, rebuilt: bytes) -> None:
+    """So a head in the proxy's own spelling is forwarded byte for byte whatever its header order (Go's
+    net/http writes Content-Length before the other headers, wrk in a random order)."""
+    raw = _head("POST /v2/models/own/infer HTTP/1.1", "Host: h", framing, "Content-Type: application/json")
+    head = parse_request_head(raw)
+    assert head.fields == b"Host: h\r\n" + rebuilt + b"\r\nContent-Type: application/json\r\n"
+    upstream = upstream_head(head, "/v2/models/own/infer", b"t")
+    assert (upstream == raw + b"\r\n\r\n") == (framing.encode() == rebuilt)
 
 
 def test_upstream_head_uses_the_canonical_path_and_rebuilt_framing() -> None:

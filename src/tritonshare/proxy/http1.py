@@ -46,6 +46,7 @@ _NOT_FORWARDED = frozenset(
         b"expect",
     }
 )
+_FRAMING = frozenset({b"content-length", b"transfer-encoding"})  # rebuilt from their checked values
 # Headers the proxy interprets; each may appear once, and is sent to Triton under this exact spelling.
 CANONICAL: dict[bytes, bytes] = {
     b"host": b"Host",
@@ -94,7 +95,7 @@ class RequestHead:
     method: str
     target: str
     http10: bool
-    fields: bytes  # forwarded header lines ("Name: value\r\n"...), hop-by-hop and framing removed
+    fields: bytes  # forwarded header lines ("Name: value\r\n"...): hop-by-hop removed, framing rebuilt in its place
     has_host: bool
     content_length: int | None
     chunked: bool
@@ -121,11 +122,15 @@ def parse_request_head(head: bytes, strip: frozenset[bytes] = frozenset()) -> Re
     content_length, chunked = _framing(single, http10=match[3] == b"0")
     connection = _tokens(b",".join(connection_values)) if connection_values else frozenset()
     http10 = match[3] == b"0"
+    if chunked:
+        framing = b"Transfer-Encoding: chunked"
+    else:
+        framing = b"" if content_length is None else b"Content-Length: %d" % content_length
     return RequestHead(
         method=match[1].decode("ascii"),
         target=match[2].decode("ascii"),
         http10=http10,
-        fields=_forwarded(fields, strip | (connection - _INTERPRETED)),
+        fields=_forwarded(fields, strip | (connection - _INTERPRETED), framing),
         has_host=b"host" in single,
         content_length=content_length,
         chunked=chunked,
@@ -215,11 +220,16 @@ def _header_length(value: bytes | None) -> int | None:
     return int(value)
 
 
-def _forwarded(fields: list[_Field], drop: frozenset[bytes]) -> bytes:
+def _forwarded(fields: list[_Field], drop: frozenset[bytes], framing: bytes) -> bytes:
     """The header lines for Triton: as the client wrote them (each passed the field rule), but the headers the
-    proxy interprets under one exact spelling."""
+    proxy interprets under one exact spelling, and the framing header (there is at most one) rebuilt where the
+    client put it — so a head whose lines all read as the proxy would write them is forwarded as the client's
+    own bytes (the short path), whatever the order of its headers."""
     out = []
     for lname, _, value, line in fields:
+        if lname in _FRAMING:
+            out.append(framing)
+            continue
         if lname in _NOT_FORWARDED or lname in drop:
             continue
         canonical = CANONICAL.get(lname)
@@ -228,15 +238,9 @@ def _forwarded(fields: list[_Field], drop: frozenset[bytes]) -> bytes:
 
 
 def upstream_head(head: RequestHead, path: str, host: bytes) -> bytes:
-    """The head sent to Triton: canonical path, HTTP/1.1, the forwarded fields, framing rebuilt."""
-    if head.chunked:
-        framing = b"Transfer-Encoding: chunked\r\n"
-    elif head.content_length is not None:
-        framing = b"Content-Length: %d\r\n" % head.content_length
-    else:
-        framing = b""
+    """The head sent to Triton: canonical path, HTTP/1.1, the forwarded fields (framing rebuilt among them)."""
     host_line = b"" if head.has_host else b"Host: " + host + b"\r\n"
-    return b"%s %s HTTP/1.1\r\n%s%s%s\r\n" % (head.method.encode(), path.encode(), host_line, head.fields, framing)
+    return b"%s %s HTTP/1.1\r\n%s%s\r\n" % (head.method.encode(), path.encode(), host_line, head.fields)
 
 
 def _show(raw: bytes, limit: int = 80) -> str:
