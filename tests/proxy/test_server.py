@@ -1,12 +1,21 @@
-"""The proxy process's start-up: the open-files limit (pure logic, the resource calls replaced)."""
+"""The proxy process's start-up: the open-files limit (pure logic, the resource calls replaced), and a port in
+use (the real command, which stops before it would reach Triton)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import subprocess
+from pathlib import Path
 
 import pytest
 
+from tests.support.ports import free_port
+from tests.support.proxy import TRITONSHARE
 from tritonshare.proxy import server
+
+PORTS = ("--http-port", "--grpc-port", "--metrics-port")
 
 
 @pytest.mark.parametrize(
@@ -28,3 +37,22 @@ def test_the_open_files_limit_is_lifted_and_a_short_one_is_named(
         server.raise_open_files_limit(cap)
     assert limits == [hard, hard]
     assert ("below the" in caplog.text and f"--max-connections {cap}" in caplog.text) == warned
+
+
+@pytest.mark.parametrize("taken", ["--http-port", "--grpc-port", "--metrics-port"])
+def test_a_port_in_use_exits_2_naming_the_port_and_the_option(tmp_path: Path, taken: str) -> None:
+    (tmp_path / "models").mkdir()
+    (tmp_path / "staging").mkdir()
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        ports = {option: str(port if option == taken else free_port()) for option in PORTS}
+        args = [arg for option, value in ports.items() for arg in (option, value)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TRITONSHARE_")}
+        done = subprocess.run(
+            [TRITONSHARE, "proxy", "--name", "m", "--host", "127.0.0.1", "--no-unload", *args,
+             "--repository", str(tmp_path / "models"), "--staging", str(tmp_path / "staging")],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and f"choose another {taken}" in done.stderr
+    assert "Traceback" not in done.stderr

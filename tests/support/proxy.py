@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.ports import free_port, wait_port
+from tests.support.ports import free_port
 from tests.support.triton import TritonServer
 from tritonshare.common.layout import NodeLayout
 
@@ -41,7 +43,9 @@ class ProxyProcess:
         assert self.process is not None
         return self.process.pid
 
-    def start(self) -> ProxyProcess:
+    def start(self, attempt: int = 1) -> ProxyProcess:
+        """Run the proxy and wait until it listens on its three ports; a port taken by another process between
+        :func:`free_port` and the proxy's bind (the proxy exits 2, "cannot listen on") is retried on new ports."""
         cmd = [
             TRITONSHARE,
             "proxy",
@@ -68,10 +72,20 @@ class ProxyProcess:
             *self.extra_args,
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRITONSHARE_")}
+        logged = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        for port in (self.http_port, self.grpc_port, self.metrics_port):
-            wait_port(port, timeout_s=15)
+        deadline = time.monotonic() + 15
+        while not all(_listens(port) for port in (self.http_port, self.grpc_port, self.metrics_port)):
+            if self.process.poll() is not None:
+                said = self.log_path.read_bytes()[logged:].decode(errors="replace")
+                if "cannot listen on" in said and attempt < 3:  # another process took a port free_port gave
+                    self.http_port, self.grpc_port, self.metrics_port = free_port(), free_port(), free_port()
+                    return self.start(attempt + 1)
+                raise RuntimeError(f"the proxy exited ({self.process.returncode}) at start:\n{said[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the proxy did not listen on its ports within 15 s:\n{self.log_text()[-3000:]}")
+            time.sleep(0.05)
         return self
 
     def terminate(self, timeout_s: float = 60) -> int:
@@ -93,3 +107,11 @@ class ProxyProcess:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+def _listens(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False

@@ -111,6 +111,12 @@ class TritonUnavailable(TritonshareError):
     exit_code = ExitCode.TRITON_UNAVAILABLE
 
 
+def cannot_listen(what: str, host: str, port: int, option: str, exc: OSError) -> UsageError:
+    """A server of ours could not bind its port (in use, or not allowed): what to change."""
+    reason = exc.strerror or exc
+    return UsageError(f"{what}: cannot listen on {host}:{port}: {reason} — choose another {option} or --host")
+
+
 def clip(text: str, limit: int = 300) -> str:
     """Cut a body quoted from a server to a readable length."""
     text = " ".join(text.split())

@@ -71,6 +71,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from tritonshare.common.errors import cannot_listen
 from tritonshare.proxy.grpc_connection import ClientConnection, OpenUpstream
 from tritonshare.proxy.grpc_streams import PROTOCOL
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
@@ -106,14 +107,17 @@ class GrpcFrontend:
         loop = asyncio.get_running_loop()
         settings = self._state.settings
         tls = self._state.tls.server_context(PROTOCOL) if self._state.tls else None  # ALPN h2
-        self._server = await loop.create_server(
-            self._accept,
-            settings.host,
-            settings.grpc_port,
-            reuse_address=True,
-            ssl=tls,
-            ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls is not None else None,
-        )
+        try:
+            self._server = await loop.create_server(
+                self._accept,
+                settings.host,
+                settings.grpc_port,
+                reuse_address=True,
+                ssl=tls,
+                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls is not None else None,
+            )
+        except OSError as exc:
+            raise cannot_listen("gRPC", settings.host, settings.grpc_port, "--grpc-port", exc) from exc
 
     def stop_accepting(self) -> None:
         if self._server is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from tritonshare.common.errors import cannot_listen
 from tritonshare.proxy.metrics import ProxyMetrics
 from tritonshare.proxy.triton_metrics import TritonModelMetrics
 
@@ -38,7 +39,10 @@ class MetricsServer:
     async def start(self) -> None:
         if self._port == 0:  # metrics turned off
             return
-        self._server = await asyncio.start_server(self._handle, self._host, self._port)
+        try:
+            self._server = await asyncio.start_server(self._handle, self._host, self._port)
+        except OSError as exc:
+            raise cannot_listen("metrics", self._host, self._port, "--metrics-port", exc) from exc
 
     def close(self) -> None:
         if self._server is not None:

@@ -31,7 +31,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tritonshare.common.errors import UsageError
+from tritonshare.common.errors import cannot_listen
 from tritonshare.proxy import admission, auth
 from tritonshare.proxy.http1 import RequestHead, error_response, parse_request_head, upstream_head
 from tritonshare.proxy.metrics import RouteMeter
@@ -185,10 +185,7 @@ class RestFrontend:
                 ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls is not None else None,
             )
         except OSError as exc:
-            raise UsageError(
-                f"REST: cannot listen on {settings.host}:{settings.http_port}: {exc.strerror or exc} — "
-                "choose another --http-port or --host"
-            ) from exc
+            raise cannot_listen("REST", settings.host, settings.http_port, "--http-port", exc) from exc
         self._port = int(self._server.sockets[0].getsockname()[1])
         self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
 
