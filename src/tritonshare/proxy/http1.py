@@ -29,8 +29,8 @@ _MAX_RESPONSE_HEAD = 64 * 1024
 MAX_FIELD_BYTES = 8191
 _STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([1-5][0-9][0-9])(?: [^\r\n]*)?")
 
-# Hop-by-hop (RFC 9110 §7.6.1) and the headers whose meaning the proxy takes over: framing is rebuilt,
-# "Expect: 100-continue" is answered here (the body is checked before Triton sees the head).
+# Hop-by-hop (RFC 9110 §7.6.1) and the headers whose meaning the proxy takes over: "Expect: 100-continue" is
+# answered here (the body is checked before Triton sees the head). Framing (_FRAMING) is rebuilt, not dropped.
 _NOT_FORWARDED = frozenset(
     {
         b"connection",
@@ -38,11 +38,9 @@ _NOT_FORWARDED = frozenset(
         b"proxy-connection",
         b"te",
         b"trailer",
-        b"transfer-encoding",
         b"upgrade",
         b"proxy-authorization",
         b"proxy-authenticate",
-        b"content-length",
         b"expect",
     }
 )

@@ -23,6 +23,18 @@ from typing import cast
 LINGER_S = 2.0  # after the proxy closes a connection, how long it still reads (and drops) what the client sends
 
 
+def half_close(transport: asyncio.Transport) -> asyncio.TimerHandle | None:
+    """Close from the proxy's side: flush, send FIN, and close for good :data:`LINGER_S` later (the returned
+    timer; cancel it if the client closes first) — reading on meanwhile, so the client sees the answer rather
+    than a reset. TLS has no half-close: the transport closes at once (after its buffered bytes, with TLS
+    close_notify), and there is no timer."""
+    if not transport.can_write_eof():
+        transport.close()
+        return None
+    transport.write_eof()
+    return asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+
+
 def over_cap_message(model: str, cap: int) -> str:
     return (
         f"the proxy of model '{model}' holds its maximum of {cap} client connections (--max-connections); "
@@ -40,11 +52,7 @@ class TurnedAway(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         writer = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
         writer.write(self.answer)
-        if writer.can_write_eof():  # TLS has no half-close: close at once (after the answer, with close_notify)
-            writer.write_eof()
-            self.linger = asyncio.get_running_loop().call_later(LINGER_S, writer.close)
-        else:
-            writer.close()
+        self.linger = half_close(writer)
 
     def data_received(self, data: bytes) -> None:
         pass  # dropped: the answer is already written

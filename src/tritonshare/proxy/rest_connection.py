@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, cast
 from tritonshare.proxy.http1 import ResponseHead
 from tritonshare.proxy.inspect import ESCAPE, MAX_DEPTH
 from tritonshare.proxy.metrics import BUCKETS
-from tritonshare.proxy.overload import LINGER_S
+from tritonshare.proxy.overload import half_close
 from tritonshare.proxy.policy import SHM_MARKER
 from tritonshare.proxy.rest_exchange import Exchange
 from tritonshare.proxy.rest_requests import CLIENT_FULL, RequestPath
@@ -222,9 +222,8 @@ class ClientConnection(RequestPath, asyncio.Protocol):
             self.transport.write(data)
 
     def _shutdown(self) -> None:
-        """Close from the proxy's side: flush, send FIN, keep reading (and dropping) for a moment so the
-        client sees the answer rather than a reset, then close. TLS has no half-close: the transport closes
-        at once (after its buffered bytes, with TLS close_notify)."""
+        """Close from the proxy's side (:func:`~tritonshare.proxy.overload.half_close`), reading and dropping
+        what the client still sends."""
         if self.closing or self.transport is None:
             return
         self.closing = True
@@ -232,14 +231,10 @@ class ClientConnection(RequestPath, asyncio.Protocol):
         ex = self.exchange
         if ex is not None and ex.forwarded and not ex.request_done:
             self._drop_upstream()  # Triton holds part of a request that will never end
-        if not self.transport.can_write_eof():
-            self.transport.close()
-            return
-        self.transport.write_eof()
-        if self.paused:
+        self.linger = half_close(self.transport)
+        if self.linger is not None and self.paused:
             self.paused = 0
             self.transport.resume_reading()
-        self.linger = asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
 
     def pause(self, reason: int) -> None:
         if not self.paused and self.transport is not None and not self.closing:
