@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
-from tritonshare.common.errors import UsageError
+from tritonshare.common.errors import SourceNotFound, UsageError
 
 Progress = Callable[[int], None]  # called with the number of bytes just written
 
@@ -51,6 +51,25 @@ class Source(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def folder_or_object(
+    uri: str,
+    bucket_uri: str,
+    key: str,
+    list_folder: Callable[[str], list[RemoteObject]],
+    exact: Callable[[str], RemoteObject],
+) -> list[RemoteObject]:
+    """A bucket store's listing of ``key``: the objects under it taken as a folder, else the one object named
+    exactly ``key`` (not when it ends in ``/``); SourceNotFound when neither is there. ``bucket_uri`` is
+    ``s3://bucket``, as the error shows it."""
+    folder = key.rstrip("/") + "/" if key else ""
+    objects = list_folder(folder)
+    if objects:
+        return objects
+    if key and not key.endswith("/"):
+        return [exact(key)]
+    raise SourceNotFound(f"{uri}: no objects under {bucket_uri}/{folder} — check the bucket and the prefix")
 
 
 SourceFactory = Callable[[str], Source]

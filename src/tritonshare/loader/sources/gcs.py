@@ -36,7 +36,7 @@ from tritonshare.common.errors import (
     UsageError,
     clip,
 )
-from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, register
+from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, folder_or_object, register
 from tritonshare.loader.sources.stream import Body, Part, fetch_stream
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, transport_error
 
@@ -123,15 +123,7 @@ class GcsSource:
         self._transport = transport or Transport()
 
     def list(self) -> Listing:
-        folder = self.key.rstrip("/") + "/" if self.key else ""
-        objects = self._list_folder(folder)
-        if objects:
-            return objects
-        if self.key and not self.key.endswith("/"):
-            return [self._exact(self.key)]
-        raise SourceNotFound(
-            f"{self.uri}: no objects under gs://{self.bucket}/{folder} — check the bucket and the prefix"
-        )
+        return folder_or_object(self.uri, f"gs://{self.bucket}", self.key, self._list_folder, self._exact)
 
     def open(self, obj: RemoteObject, stall_timeout_s: float, part: Part | None = None) -> Body:
         what = f"gs://{self.bucket}/{obj.key}"

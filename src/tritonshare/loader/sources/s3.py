@@ -57,7 +57,7 @@ from tritonshare.common.errors import (
     UsageError,
     clip,
 )
-from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, register
+from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, folder_or_object, register
 from tritonshare.loader.sources.s3_auth import DEFAULT_REGION, DENIED_HINT, CredentialChain, Signer
 from tritonshare.loader.sources.stream import Body, Part, fetch_stream
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, transport_error
@@ -150,15 +150,7 @@ class S3Source:
         self._flexible: set[str] = set()  # keys whose listing names a flexible checksum the engine can compute
 
     def list(self) -> Listing:
-        folder = self.key.rstrip("/") + "/" if self.key else ""
-        objects = self._list_folder(folder)
-        if objects:
-            return objects
-        if self.key and not self.key.endswith("/"):
-            return [self._head(self.key)]
-        raise SourceNotFound(
-            f"{self.uri}: no objects under s3://{self.bucket}/{folder} — check the bucket and the prefix"
-        )
+        return folder_or_object(self.uri, f"s3://{self.bucket}", self.key, self._list_folder, self._head)
 
     def open(self, obj: RemoteObject, stall_timeout_s: float, part: Part | None = None) -> Body:
         what = f"s3://{self.bucket}/{obj.key}"
