@@ -358,3 +358,116 @@ def hold_open_after_writing(pipe: Path, data: bytes, unpacked: threading.Event) 
         out.write(data)
         out.flush()
         unpacked.wait(10)
+
+
+# ------------------------------------------------------------------ links judged in the finished tree
+
+
+@pytest.mark.parametrize("suffix", [".tar.gz", ".zip"])
+def test_a_link_that_a_later_link_carries_outside_is_refused_and_nothing_is_written_out(
+    tmp_path: Path, dest: Path, suffix: str
+) -> None:
+    # ``c/c/c/../../..`` stays inside while ``c`` does not exist; once ``c -> .`` lands, it climbs three levels
+    victim = tmp_path / "out" / "victim.txt"
+    victim.write_text("untouched")
+    archive = make(
+        tmp_path,
+        suffix,
+        [
+            *MODEL,
+            ("symlink", "model/1/victim", "c/c/c/c/../../../../../victim.txt"),
+            ("symlink", "model/1/c", "."),
+        ],
+    )
+    with pytest.raises(UnsafeArchive, match=r"'model/1/victim' links to .*outside the model folder once every member"):
+        unpack(archive, dest)
+    assert victim.read_text() == "untouched"
+
+
+@pytest.mark.parametrize("suffix", [".tar.gz", ".zip"])
+def test_the_folder_itself_as_a_member_is_skipped(tmp_path: Path, dest: Path, suffix: str) -> None:
+    # what ``tar -C model -czf m.tgz .`` writes: a first member ``./``, then ``./config.pbtxt``, …
+    inside = [(kind, "./" + name.removeprefix("model/"), data) for kind, name, data in MODEL[1:]]
+    members: list[Member] = [("dir", "./", b""), *inside]
+    unpack(make(tmp_path, suffix, members), dest)
+    assert (dest / "config.pbtxt").read_text() == 'backend: "python"\n'
+    assert (dest / "1" / "weights.bin").stat().st_size == 256 * 64
+
+
+def test_an_archive_packed_with_gnu_tar_from_inside_its_folder_unpacks(tmp_path: Path, dest: Path) -> None:
+    folder = tmp_path / "model"
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text('backend: "python"\n')
+    (folder / "1" / "model.py").write_text("print('hi')\n")
+    archive = tmp_path / "m.tgz"
+    subprocess.run(["tar", "-C", str(folder), "-czf", str(archive), "."], check=True)
+    unpack(archive, dest)
+    assert (dest / "1" / "model.py").read_text() == "print('hi')\n"
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink"])
+def test_the_folder_itself_as_anything_but_a_folder_is_refused(tmp_path: Path, dest: Path, kind: str) -> None:
+    archive = make(tmp_path, ".tar", [(kind, "./", "x")])
+    with pytest.raises(UnsafeArchive, match=r"member '\./' is refused"):
+        unpack(archive, dest)
+
+
+# ------------------------------------------------------------------ members that cannot be unpacked
+
+
+@pytest.mark.parametrize(
+    ("suffix", "members"),
+    [
+        (".tar.gz", [("file", "model/1", "a file"), ("file", "model/1/model.py", "x")]),
+        (".zip", [("file", "model/1", "a file"), ("file", "model/1/model.py", "x")]),
+        (".tar.gz", [("dir", "model", b""), ("hardlink", "model/copy.py", "model/missing.py")]),
+    ],
+    ids=["tar-file-as-folder", "zip-file-as-folder", "tar-hardlink-to-nothing"],
+)
+def test_members_that_cannot_stand_as_they_are_make_an_invalid_model(
+    tmp_path: Path, dest: Path, suffix: str, members: list[Member]
+) -> None:
+    with pytest.raises(InvalidModel, match=r"its members cannot be unpacked as they stand") as info:
+        unpack(make(tmp_path, suffix, members), dest)
+    assert info.value.exit_code == ExitCode.SOURCE_PERMANENT
+
+
+def test_a_link_target_with_a_nul_byte_is_refused(tmp_path: Path, dest: Path) -> None:
+    # a target longer than ustar's 100 bytes goes into a pax header, where a NUL survives
+    archive = make(tmp_path, ".tar", [*MODEL[:2], ("symlink", "model/x", "a" * 120 + "\0b")])
+    with pytest.raises(UnsafeArchive, match=r"member 'model/x' is refused"):
+        unpack(archive, dest)
+
+
+# ------------------------------------------------------------------ memory bounded by what is read
+
+
+def test_a_huge_long_name_header_is_refused_before_it_is_read(tmp_path: Path, dest: Path) -> None:
+    declared = 1 << 30  # 1 GiB of name: tarfile would read it whole into memory
+    header = tarfile.TarInfo("././@LongLink")
+    header.type, header.size = tarfile.GNUTYPE_LONGNAME, declared
+    archive = tmp_path / "long.tar.gz"
+    with gzip.open(archive, "wb", compresslevel=1) as out:
+        out.write(header.tobuf(format=tarfile.GNU_FORMAT))
+        out.write(b"model/config.pbtxt" + bytes((1 << 20) - 18))  # the first MiB of the name: enough to refuse
+    with pytest.raises(InvalidModel, match=r"of 1073741824 bytes, more than the 65536 any path needs"):
+        unpack(archive, dest)
+
+
+def test_a_zip_link_with_a_huge_target_is_refused_before_it_is_read(tmp_path: Path, dest: Path) -> None:
+    archive = make(tmp_path, ".zip", [*MODEL[:2], ("symlink", "model/x", "a/" * 4096)])
+    with pytest.raises(UnsafeArchive, match=r"member 'model/x' is refused: it is a link whose target is 8192 bytes"):
+        unpack(archive, dest)
+
+
+def test_memory_does_not_keep_every_member_header(tmp_path: Path, dest: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kept: list[int] = []
+    original = tarfile.TarFile.next
+
+    def next_member(self: tarfile.TarFile) -> tarfile.TarInfo | None:
+        kept.append(len(self.members))  # type: ignore[attr-defined]
+        return original(self)
+
+    monkeypatch.setattr(tarfile.TarFile, "next", next_member)
+    unpack(make(tmp_path, ".tar.gz", [*MODEL, *[("file", f"model/1/f{i}", "x") for i in range(50)]]), dest)
+    assert len(kept) > 50 and max(kept) <= 1

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from tests.support.models import DECOUPLED_CONFIG, IDENTITY_CONFIG, SLOW_CONFIG, write_model
 from tests.support.mounts import tmpfs
-from tritonshare.common.errors import ExitCode, InsufficientSpace, InvalidModel
+from tritonshare.common.errors import ExitCode, InsufficientSpace, InvalidModel, UnsafeArchive
 from tritonshare.loader.archive import unpack
 from tritonshare.loader.model import check_config, find_root, open_modes, prepare, with_name
 
@@ -322,6 +322,52 @@ def test_python_modules_get_a_pycache_file_so_triton_writes_no_bytecode(tmp_path
     for folder in (tmp_path / "1", tmp_path / "1" / "lib"):
         assert (folder / "__pycache__").is_file()
     assert not (tmp_path / "__pycache__").exists()  # no Python module there
+
+
+# ---- links: what is published never leads outside itself --------------------------------------------------
+
+
+def test_a_link_inside_what_was_unpacked_but_outside_the_model_root_is_refused(tmp_path: Path) -> None:
+    # the archive's checks hold for the folder it was unpacked into; the published root is one level down
+    neighbour = tmp_path / "neighbour" / "1"
+    neighbour.mkdir(parents=True)
+    (neighbour / "model.onnx").write_bytes(b"SECRET-WEIGHTS")
+    unpacked = tmp_path / "unpacked"
+    write_model(unpacked / "m")
+    (unpacked / "m" / "1" / "model.onnx").symlink_to("../../../neighbour/1/model.onnx")
+    with pytest.raises(UnsafeArchive, match=r"m.tgz: '1/model.onnx' links to '\.\./\.\./\.\./neighbour/") as info:
+        prepare(unpacked, "mine", "m.tgz")
+    assert info.value.exit_code == ExitCode.SOURCE_PERMANENT
+
+
+def test_a_config_that_is_a_link_is_replaced_by_a_file_and_its_target_kept(tmp_path: Path) -> None:
+    write_model(tmp_path)
+    shipped = tmp_path / "1" / "config.txt"
+    os.replace(tmp_path / "config.pbtxt", shipped)
+    (tmp_path / "config.pbtxt").symlink_to("1/config.txt")
+    before = shipped.read_text()
+    prepare(tmp_path, "mine", "m.tgz")
+    config = tmp_path / "config.pbtxt"
+    assert not config.is_symlink() and config.read_text().startswith('name: "mine"')
+    assert shipped.read_text() == before
+    assert not list(tmp_path.glob(".config.pbtxt*"))
+
+
+def test_a_pycache_link_is_replaced_by_a_plain_file(tmp_path: Path) -> None:
+    write_model(tmp_path)
+    cache = tmp_path / "1" / "__pycache__"
+    cache.unlink(missing_ok=True)
+    cache.symlink_to("elsewhere")  # dangling: touching it would create 1/elsewhere
+    prepare(tmp_path, "mine", "m.tgz")
+    assert cache.is_file() and not cache.is_symlink()
+    assert not (tmp_path / "1" / "elsewhere").exists()
+
+
+def test_a_folder_named_as_the_install_record_is_refused(tmp_path: Path) -> None:
+    write_model(tmp_path)
+    (tmp_path / "tritonshare.json").mkdir()
+    with pytest.raises(InvalidModel, match=r"tritonshare.json is a folder or a link in the model.*rename it"):
+        prepare(tmp_path, "mine", "m.tgz")
 
 
 # ---- file modes: Triton runs as another user than the loader (k8s/base: 1000 and 65532) -------------------

@@ -207,6 +207,30 @@ def test_an_archive_with_a_member_climbing_out_is_refused(
     assert not list(layout.staging.parent.rglob("escaped.pbtxt"))
 
 
+def test_an_archive_whose_link_a_later_link_carries_out_is_refused_and_writes_nothing_outside(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    # ``config.pbtxt -> c/c/c/../../../victim.pbtxt`` stays inside while ``c`` does not exist; the member
+    # ``c -> .`` makes it lead from staging/WORKSPACE/unpacked/ to the node folder, whose file the config edit
+    # would have rewritten through the link
+    victim = layout.staging.parent / "victim.pbtxt"
+    victim.write_text('backend: "python"\n')
+    up = os.path.relpath(layout.staging.parent, layout.staging / "workspace" / "unpacked")
+    assert up == "../../..", up  # the test's premise: three levels, three ``c/..`` pairs
+    archive = tmp_path / "evil.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(write_model(tmp_path / "m") / "1", arcname="1")
+        link = tarfile.TarInfo("config.pbtxt")
+        link.type, link.linkname = tarfile.SYMTYPE, "c/c/c/../../../victim.pbtxt"
+        tar.addfile(link)
+        loop = tarfile.TarInfo("c")
+        loop.type, loop.linkname = tarfile.SYMTYPE, "."
+        tar.addfile(loop)
+    expect_failure(UnsafeArchive, ExitCode.SOURCE_PERMANENT, r"evil.tar.gz: 'config.pbtxt' links to .* leads outside",
+                   layout, settings(layout, triton, archive, model_name))  # fmt: skip
+    assert victim.read_text() == 'backend: "python"\n'
+
+
 def test_a_missing_source_is_not_found(
     layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
 ) -> None:

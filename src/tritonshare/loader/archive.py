@@ -3,11 +3,19 @@
 Every member is checked before it is written, against the folder as it is at that moment (so a link
 unpacked earlier cannot carry a later member outside):
 
-- its path stays inside the folder: no absolute path, no ``..``, no write through a link that leads out;
+- its path stays inside the folder: no absolute path, no ``..``, no write through a link that leads out
+  (a member naming the folder itself, ``./`` as ``tar -C model -czf m.tgz .`` writes it, is skipped);
 - a symbolic or hard link points inside the folder;
 - it is a regular file, a folder or a link: device files, FIFOs and the like are refused.
 
+A link is checked once more when the whole archive is unpacked (:func:`check_links`): it resolves through
+the links unpacked after it, so ``c/c/../../x`` that stayed inside while ``c`` did not exist leads two levels
+out once a later member ``c -> .`` does. The loader checks the model root it publishes the same way.
 A refused member raises :class:`UnsafeArchive` naming it; the caller discards the half-unpacked folder.
+Members that cannot be unpacked as they stand (a file used as a folder, a hard link to a missing member) are
+an :class:`InvalidModel`; a member header larger than a path needs (a GNU long name or pax header of
+megabytes, read whole by tarfile) is refused before it is read, so memory stays flat whatever the archive
+declares.
 A tar must also end as a whole one does — its end-of-archive marker, and its compressed stream's own end —
 or it is refused as cut short (:mod:`tritonshare.loader.tar_stream`), never installed missing files.
 The bytes unpacked are counted against a budget (the free space measured before), so an archive that
@@ -30,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from tritonshare.common.errors import InsufficientSpace, InvalidModel, TritonshareError, UnsafeArchive
+from tritonshare.loader.model import check_links
 from tritonshare.loader.tar_stream import IncompleteArchive, TarStream
 
 logger = logging.getLogger(__name__)
@@ -39,6 +48,35 @@ Unpacker = Callable[[Path, Path, "Budget"], int]  # (archive, dest, budget) → 
 # The standard library's own "data" filter (Python ≥ 3.11.4) as a second line of defence: it also drops
 # set-uid bits and never chowns to the archive's owners when running as root.
 _TAR_FILTER: dict[str, str] = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+MAX_HEADER_BYTES = 64 << 10  # a GNU long name or pax header: paths and link targets, far below this
+MAX_LINK_BYTES = 4096  # PATH_MAX: a zip link's target is its data
+# errors of members that cannot be unpacked as they stand: a file used as a folder, a name too long, …
+_MEMBER_ERRNOS = (errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.ENAMETOOLONG, errno.EINVAL, errno.ELOOP)
+
+
+class OversizedHeader(tarfile.ReadError):
+    """A member header declares more bytes than any path needs."""
+
+
+class BoundedTarInfo(tarfile.TarInfo):
+    """tarfile reads a GNU long-name or pax header whole into memory (``_proc_gnulong``, ``_proc_pax``, its
+    extension points since the module began): a 400 KiB gzip declaring a 400 MiB name took 1.3 GB. Refused
+    above :data:`MAX_HEADER_BYTES` before a byte of it is read."""
+
+    def _proc_gnulong(self, tarfile: tarfile.TarFile) -> tarfile.TarInfo:
+        self._bounded()
+        return super()._proc_gnulong(tarfile)  # type: ignore[misc, no-any-return]
+
+    def _proc_pax(self, tarfile: tarfile.TarFile) -> tarfile.TarInfo:
+        self._bounded()
+        return super()._proc_pax(tarfile)  # type: ignore[misc, no-any-return]
+
+    def _bounded(self) -> None:
+        if self.size > MAX_HEADER_BYTES:
+            raise OversizedHeader(
+                f"a member header (long name or pax, type {self.type!r}) of {self.size} bytes, more than the "
+                f"{MAX_HEADER_BYTES} any path needs"
+            )
 
 
 class Budget:
@@ -69,10 +107,17 @@ def member_target(dest: Path, name: str, archive: Path) -> Path:
     return target
 
 
+def is_top(name: str) -> bool:
+    """``name`` is the folder itself: ``.`` or ``./``."""
+    return bool(name) and not name.startswith(("/", "\\")) and not PurePosixPath(name.replace("\\", "/")).parts
+
+
 def check_link(dest: Path, target: Path, link: str, *, hard: bool, archive: Path, name: str) -> None:
     """A symbolic link resolves from its own folder, a tar hard link from the archive's root."""
     if not link or os.path.isabs(link):
         raise _escape(archive, name, f"it links to the absolute path {link!r}")
+    if "\0" in link:
+        raise _escape(archive, name, "its link target holds a NUL byte")
     base = dest if hard else target.parent
     if not _inside(dest, os.path.realpath(base / link)):
         raise _escape(archive, name, f"it links to {link!r}, outside the model folder")
@@ -95,6 +140,11 @@ def _read_error(archive: Path, kind: str, exc: BaseException) -> TritonshareErro
     engine); anything else means the archive itself is damaged or of another kind."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return InsufficientSpace(f"unpacking {archive.name}: the staging filesystem is full — free space on the node")
+    if isinstance(exc, OSError) and exc.errno in _MEMBER_ERRNOS or isinstance(exc, (KeyError, ValueError)):
+        return InvalidModel(
+            f"{archive.name}: its members cannot be unpacked as they stand ({exc}) — rebuild the archive "
+            "(a file used as a folder, or a hard link to a member it does not hold?)"
+        )
     if isinstance(exc, OSError) and exc.errno is not None:
         return TritonshareError(f"{archive.name}: unpacking failed: {exc}")
     advice = "upload the whole archive again, or rebuild it" if isinstance(exc, IncompleteArchive) else "check the file"
@@ -115,16 +165,22 @@ def unpack_tar(archive: Path, dest: Path, budget: Budget) -> int:
     try:
         with open(archive, "rb", buffering=0) as raw:
             stream = TarStream(raw)
-            with stream.open_tar() as tar:
-                for member in tar:
+            with stream.open_tar(BoundedTarInfo) as tar:
+                while (member := tar.next()) is not None:
+                    # tarfile keeps every header it read (an attribute it has always had, not in typeshed): memory
+                    # would grow with the count. Hard links still find their files on disk.
+                    tar.members.clear()  # type: ignore[attr-defined]
+                    count += 1
+                    if is_top(member.name) and member.isdir():
+                        continue  # the folder itself: it exists, and keeps the mode the loader gives it
                     _check_tar_member(member, dest, archive, budget)
                     tar.extract(member, dest, **_TAR_FILTER)  # type: ignore[arg-type]
-                    count += 1
                 stream.check_end(tar)
     except tarfile.FilterError as exc:  # our checks come first; this is the standard library agreeing
         raise _escape(archive, exc.tarinfo.name, str(exc)) from exc
-    except (tarfile.TarError, EOFError, zlib.error, OSError) as exc:
+    except (tarfile.TarError, EOFError, zlib.error, OSError, KeyError, ValueError) as exc:
         raise _read_error(archive, "tar", exc) from exc
+    check_links(dest, archive.name)
     return count
 
 
@@ -145,10 +201,13 @@ def unpack_zip(archive: Path, dest: Path, budget: Budget) -> int:
     try:
         with zipfile.ZipFile(archive) as zf:
             for info in zf.infolist():
-                _unpack_zip_member(zf, info, dest, archive, budget)
-            return len(zf.infolist())
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, OSError) as exc:
+                if not (is_top(info.filename) and info.is_dir()):
+                    _unpack_zip_member(zf, info, dest, archive, budget)
+            count = len(zf.infolist())
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, OSError, ValueError) as exc:
         raise _read_error(archive, "zip", exc) from exc
+    check_links(dest, archive.name)
+    return count
 
 
 def _unpack_zip_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dest: Path, archive: Path, budget: Budget) -> None:
@@ -158,6 +217,8 @@ def _unpack_zip_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dest: Path, a
     if info.is_dir() or kind == stat.S_IFDIR:
         target.mkdir(parents=True, exist_ok=True)
     elif kind == stat.S_IFLNK:
+        if info.file_size > MAX_LINK_BYTES:  # its target is its data: read whole
+            raise _escape(archive, info.filename, f"it is a link whose target is {info.file_size} bytes long")
         link = zf.read(info).decode("utf-8", errors="replace")
         check_link(dest, target, link, hard=False, archive=archive, name=info.filename)
         target.parent.mkdir(parents=True, exist_ok=True)

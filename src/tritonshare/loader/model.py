@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tritonshare.common.errors import InvalidModel
-from tritonshare.common.repository import disk_error
+from tritonshare.common.errors import InvalidModel, UnsafeArchive
+from tritonshare.common.repository import RECORD_FILE, disk_error
 
 logger = logging.getLogger(__name__)
 
@@ -298,6 +298,12 @@ def prepare(top: Path, name: str, label: str, *, lenient: bool = False) -> Path:
     with _editing(label, "setting file modes"):
         open_modes(top)
     root = find_root(top, label)
+    check_links(root, label)  # an archive's links, in the folder that is published: none may lead out of it
+    if os.path.lexists(root / RECORD_FILE) and not (root / RECORD_FILE).is_file():
+        raise InvalidModel(
+            f"{label}: {RECORD_FILE} is a folder or a link in the model, and the loader keeps its install record "
+            "under that name — rename it"
+        )
     if not version_dirs(root):
         raise InvalidModel(
             f"{label}: the model has no numeric version folder (1/, 2/, …) — Triton serves only versions; "
@@ -309,10 +315,33 @@ def prepare(top: Path, name: str, label: str, *, lenient: bool = False) -> Path:
         text = _read_text(config, where)
         named = with_name(text, name, where, lenient=lenient)
         with _editing(label, f"writing {config}"):
-            config.write_text(named, encoding="utf-8")
+            _replace_text(config, named)
     with _editing(label, f"blocking bytecode in {root}"):
         block_bytecode(root)
     return root
+
+
+def check_links(root: Path, label: str) -> None:
+    """Every symbolic link under ``root``, resolved in the tree as it now stands, leads inside ``root``. Only
+    an archive brings links (a folder source copies what a link inside points to), and its members are checked
+    as they land; but a link resolves through those unpacked after it (see :mod:`tritonshare.loader.archive`),
+    and the published root may be a sub-folder of what was unpacked."""
+    real = os.path.realpath(root)
+    pending = [root]
+    while pending:
+        with os.scandir(pending.pop()) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    resolved = os.path.realpath(entry.path)
+                    if resolved != real and not resolved.startswith(real + os.sep):
+                        name = Path(entry.path).relative_to(root).as_posix()
+                        raise UnsafeArchive(
+                            f"{label}: {name!r} links to {os.readlink(entry.path)!r}, which leads outside the model "
+                            "folder once every member is in place — rebuild the archive with links that stay inside "
+                            "the model folder"
+                        )
+                elif entry.is_dir():
+                    pending.append(Path(entry.path))
 
 
 def open_modes(top: Path) -> None:
@@ -352,6 +381,16 @@ def _editing(label: str, doing: str) -> Iterator[None]:
         raise disk_error(f"{label}: {doing}", exc) from exc
 
 
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``path`` anew, never through it: a link named so is replaced by the file, its target untouched."""
+    temp = path.with_name(f".{path.name}.tritonshare")
+    try:
+        temp.write_text(text, encoding="utf-8")
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
 def block_bytecode(root: Path) -> None:
     """Put a plain file named ``__pycache__`` beside every Python module of the model.
 
@@ -364,10 +403,11 @@ def block_bytecode(root: Path) -> None:
         if not any(f.endswith(".py") for f in files):
             continue
         cache = Path(folder, "__pycache__")
-        if cache.is_dir() and not cache.is_symlink():
+        if cache.is_symlink():
+            cache.unlink()  # never touched through: a link would lead the bytecode, or the touch, elsewhere
+        elif cache.is_dir():
             shutil.rmtree(cache)
-        if not cache.exists():
-            cache.touch()
+        cache.touch()
 
 
 def _read_text(path: Path, where: str) -> str:

@@ -111,10 +111,10 @@ class TarStream:
         self._delivered = 0  # bytes of tar handed out
         self._kept: deque[tuple[int, bytes]] = deque()  # (offset, chunk): at least the last _KEPT_BYTES
 
-    def open_tar(self) -> tarfile.TarFile:
-        """tarfile in stream mode over these bytes (typeshed asks its ``fileobj`` for ``write`` and ``seek``
-        too; in ``r|`` mode tarfile only reads)."""
-        return tarfile.open(fileobj=cast("IO[bytes]", self), mode="r|", bufsize=TARFILE_BUFSIZE)
+    def open_tar(self, tarinfo: type[tarfile.TarInfo] = tarfile.TarInfo) -> tarfile.TarFile:
+        """tarfile in stream mode over these bytes, its headers read as ``tarinfo`` (typeshed asks its
+        ``fileobj`` for ``write`` and ``seek`` too; in ``r|`` mode tarfile only reads)."""
+        return tarfile.open(fileobj=cast("IO[bytes]", self), mode="r|", bufsize=TARFILE_BUFSIZE, tarinfo=tarinfo)
 
     def read(self, size: int) -> bytes:
         data = self._inflate(size) if self._new is not None else self._pass(size)
