@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.mounts import tmpfs
 from tritonshare.common.errors import (
     InsufficientSpace,
     InvalidModel,
@@ -99,6 +100,17 @@ def test_a_local_folder_lands_byte_for_byte(tmp_path: Path) -> None:
     stats = download_all(source, source.list(), tmp_path / "dest", FAST)
     assert_same_tree(tmp_path / "dest", payloads)
     assert (stats.objects, stats.bytes, stats.retries) == (3, sum(map(len, payloads.values())), 0)
+
+
+def test_folders_that_fill_the_disk_are_insufficient_space(tmp_path: Path) -> None:
+    """Out of inodes while the download's folders are made: exit 15, as a full disk mid-file is."""
+    for i in range(40):
+        (tmp_path / "src" / "1" / f"d{i}").mkdir(parents=True)
+        (tmp_path / "src" / "1" / f"d{i}" / "w.bin").write_bytes(b"w")
+    source = LocalSource(str(tmp_path / "src"))
+    with tmpfs(tmp_path / "dest", "1m,nr_inodes=16") as dest:
+        with pytest.raises(InsufficientSpace, match=r"the staging filesystem is full — free space on the node"):
+            download_all(source, source.list(), dest, FAST)
 
 
 def test_transient_failures_are_retried_with_growing_jittered_backoff(tmp_path: Path) -> None:

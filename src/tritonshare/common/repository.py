@@ -84,7 +84,10 @@ def write_record(model_dir: Path, record: InstallRecord) -> None:
 def new_staging_dir(layout: NodeLayout, name: str, purpose: str = "download") -> Path:
     """A fresh, uniquely named folder in staging (never inside the repository)."""
     path = layout.staging / f"{name}.{purpose}.{uuid.uuid4().hex[:12]}"
-    path.mkdir(mode=0o755)
+    try:
+        path.mkdir(mode=0o755)
+    except OSError as exc:
+        raise disk_error(f"creating {path}", exc) from exc
     return path
 
 

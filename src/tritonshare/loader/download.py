@@ -176,7 +176,11 @@ def _plan(objects: list[RemoteObject], dest_dir: Path) -> list[tuple[RemoteObjec
     for clash in folders & targets.keys():
         raise InvalidModel(f"{targets[clash].key} is a file but other objects use it as a folder — rename it")
     for folder in sorted(folders):  # a folder sorts before what it holds
-        dest_dir.joinpath(*folder).mkdir(exist_ok=True)
+        path = dest_dir.joinpath(*folder)
+        try:
+            path.mkdir(exist_ok=True)
+        except OSError as exc:  # a full disk (or out of inodes) is exit 15, as for a file
+            raise _write_error(path, exc) from exc
     plan = [(obj, dest_dir.joinpath(*parts)) for parts, obj in targets.items()]
     return sorted(plan, key=lambda pair: -pair[0].size)
 
