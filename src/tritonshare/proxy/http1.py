@@ -347,7 +347,8 @@ class ResponseReader:
         else:
             self._left = head.content_length if head.content_length is not None else -1
         stop = self._body(data, end + 4)
-        if self.close and not head.close:
+        # a body delimited by Triton's close ends for the client only when the proxy closes too: say so
+        if (self.close or self._left == -1) and not head.close:
             return with_close(data[:end]) + data[end:stop]
         return data if stop == len(data) else data[:stop]
 

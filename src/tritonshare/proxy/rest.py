@@ -232,6 +232,8 @@ class RestFrontend:
     def _sweep(self) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
-        for connection in list(self.connections):
-            connection.expire(now)
-        self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
+        try:
+            for connection in list(self.connections):
+                connection.expire(now)
+        finally:  # a failure is the loop's to log; it must not switch every timeout off
+            self._sweeper = loop.call_later(_SWEEP_S, self._sweep)

@@ -201,7 +201,8 @@ class Upstream(asyncio.Protocol):
         reader = self.reader or ResponseReader(self.pool.response_heads)
         if reader.eof():
             assert reader.head is not None
-            owner.response_done(reader.head, False)  # a response delimited by the close
+            owner.close_after = True  # a response delimited by the close: its head told the client so
+            owner.response_done(reader.head, False)
         else:
             self._failed(owner, reader, f"connection to Triton lost: {exc or 'closed'}")
 
