@@ -28,6 +28,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.proxy.conftest import ServedModels
+from tests.proxy.test_metrics import _samples
 from tests.support.certs import CertificateAuthority, serial_of, write_atomically
 from tests.support.install import install_model
 from tests.support.models import SLOW_CONFIG
@@ -443,7 +444,7 @@ def test_a_tls_handshake_that_never_comes_ends_the_connection_on_both_ports(
     served_models: ServedModels,
     tls_files: tuple[CertificateAuthority, Path, Path, Path],
 ) -> None:
-    """It holds an open file and no place under --max-connections: bounded by HANDSHAKE_TIMEOUT_S, not 60 s."""
+    """It holds an open file and a place under --max-connections: bounded by HANDSHAKE_TIMEOUT_S, not 60 s."""
     _, _, cert, key = tls_files
     proxy = start_proxy(served_models.own, "--no-unload", "--tls-cert", str(cert), "--tls-key", str(key))
     silent = [socket.create_connection(("127.0.0.1", port), timeout=30) for port in (proxy.http_port, proxy.grpc_port)]
@@ -455,6 +456,43 @@ def test_a_tls_handshake_that_never_comes_ends_the_connection_on_both_ports(
             except ConnectionResetError:
                 pass
     assert HANDSHAKE_TIMEOUT_S - 0.5 < time.monotonic() - started < HANDSHAKE_TIMEOUT_S + 5
+
+
+def test_tls_handshakes_under_way_hold_places_and_one_past_the_cap_is_closed_before_any_handshake(
+    start_proxy: Callable[..., ProxyProcess],
+    served_models: ServedModels,
+    tls_files: tuple[CertificateAuthority, Path, Path, Path],
+) -> None:
+    """Silent connections (handshakes under way) fill ``--max-connections``; the next is closed before its
+    handshake, on both ports, and counted; once a silent one goes, a handshake succeeds again."""
+    _, ca_file, cert, key = tls_files
+    tls = ("--tls-cert", str(cert), "--tls-key", str(key))
+    proxy = start_proxy(served_models.own, "--no-unload", *tls, "--max-connections", "2")
+
+    def handshakes(port: int) -> bool:
+        try:
+            return _handshake(port, ca_file)[0] == 7001
+        except (ssl.SSLError, OSError):
+            return False
+
+    for port in (proxy.http_port, proxy.grpc_port):
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        try:
+            with pytest.raises((ssl.SSLError, OSError)):
+                _handshake(port, ca_file)
+            silent.pop().close()
+            deadline = time.monotonic() + 5
+            while not handshakes(port):
+                assert time.monotonic() < deadline, "no place came free after a silent connection closed"
+                time.sleep(0.05)
+        finally:
+            for sock in silent:
+                sock.close()
+    refused = {protocol: 0.0 for protocol in ("rest", "grpc")}
+    for name, labels, value in _samples(proxy):
+        if name == "tritonshare_proxy_refusals_total" and labels.get("reason") == "too_many_connections":
+            refused[labels["protocol"]] += value
+    assert refused["rest"] >= 1 and refused["grpc"] >= 1, refused
 
 
 def test_a_rotated_certificate_reaches_new_connections_without_a_restart(

@@ -76,9 +76,9 @@ from tritonshare.proxy.grpc_connection import ClientConnection, OpenUpstream
 from tritonshare.proxy.grpc_streams import PROTOCOL
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
 from tritonshare.proxy.grpc_verdicts import Unavailable
-from tritonshare.proxy.overload import over_cap_message
+from tritonshare.proxy.overload import Closed, over_cap_message
 from tritonshare.proxy.state import ProxyState
-from tritonshare.proxy.tls import HANDSHAKE_TIMEOUT_S
+from tritonshare.proxy.tls import Handshakes
 
 
 class GrpcFrontend:
@@ -95,6 +95,7 @@ class GrpcFrontend:
         self._server: asyncio.Server | None = None
         self.connections: set[ClientConnection] = set()
         state.metrics.count_connections(PROTOCOL, self.connections.__len__)
+        self.handshakes: Handshakes | None = None
         self.draining = False
 
     @property
@@ -106,16 +107,10 @@ class GrpcFrontend:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         settings = self._state.settings
-        tls = self._state.tls.server_context(PROTOCOL) if self._state.tls else None  # ALPN h2
+        if self._state.tls is not None:  # ALPN h2; put on in _accept, where its handshakes are counted
+            self.handshakes = Handshakes(self._state.tls.server_context(PROTOCOL))
         try:
-            self._server = await loop.create_server(
-                self._accept,
-                settings.host,
-                settings.grpc_port,
-                reuse_address=True,
-                ssl=tls,
-                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls is not None else None,
-            )
+            self._server = await loop.create_server(self._accept, settings.host, settings.grpc_port, reuse_address=True)
         except OSError as exc:
             raise cannot_listen("gRPC", settings.host, settings.grpc_port, "--grpc-port", exc) from exc
 
@@ -123,12 +118,17 @@ class GrpcFrontend:
         if self._server is not None:
             self._server.close()
 
-    def _accept(self) -> asyncio.Protocol:
-        """A new client connection; past ``--max-connections`` one that answers UNAVAILABLE and goes away
-        (:mod:`tritonshare.proxy.overload`)."""
+    def _accept(self) -> asyncio.BaseProtocol:
+        """A new client connection; past ``--max-connections`` one that answers UNAVAILABLE and goes away, or,
+        with TLS, is closed at once (:mod:`tritonshare.proxy.overload`)."""
         cap = self._state.settings.max_connections
-        if not cap or len(self.connections) < cap:
-            return ClientConnection(self, self._state)
+        tls = self.handshakes
+        if not cap or len(self.connections) + (tls.under_way if tls else 0) < cap:
+            connection = ClientConnection(self, self._state)
+            return connection if tls is None else tls.behind_tls(connection)
+        if tls is not None:
+            self._state.metrics.refused(PROTOCOL, "connection", "too_many_connections")
+            return Closed()
         why = Unavailable(over_cap_message(self._state.own, cap), "too_many_connections")
         return ClientConnection(self, self._state, turned_away=why)
 

@@ -11,8 +11,10 @@ protocol's words:
 - gRPC: the connection answers each stream the client opens UNAVAILABLE with the reason, then GOAWAY
   (:meth:`tritonshare.proxy.grpc_connection.ClientConnection._become_unavailable`, as when Triton is down).
 
-Each answer counts as a refusal with reason ``too_many_connections``. With TLS a connection counts once its
-handshake is done.
+With TLS, a handshake under way holds a place too (:class:`tritonshare.proxy.tls.Handshakes`), and a
+connection past the cap is closed at once, before any handshake (:class:`Closed`): an answer in TLS would
+take the very handshake the cap bounds. Each answer or close counts as a refusal with reason
+``too_many_connections``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ def over_cap_message(model: str, cap: int) -> str:
         f"the proxy of model '{model}' holds its maximum of {cap} client connections (--max-connections); "
         "reuse a connection, close idle ones, or retry later"
     )
+
+
+class Closed(asyncio.Protocol):
+    """A TLS connection past the cap: closed as soon as it is accepted."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
 
 
 class TurnedAway(asyncio.Protocol):

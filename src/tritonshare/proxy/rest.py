@@ -35,13 +35,13 @@ from tritonshare.common.errors import cannot_listen
 from tritonshare.proxy import admission, auth
 from tritonshare.proxy.http1 import RequestHead, error_response, parse_request_head, upstream_head
 from tritonshare.proxy.metrics import RouteMeter
-from tritonshare.proxy.overload import TurnedAway, over_cap_message
+from tritonshare.proxy.overload import Closed, TurnedAway, over_cap_message
 from tritonshare.proxy.policy import RestDecision, judge_rest
 from tritonshare.proxy.rest_connection import ClientConnection
 from tritonshare.proxy.rest_requests import WHOLE_BODY_BYTES
 from tritonshare.proxy.rest_upstream import PROTOCOL, UpstreamPool
 from tritonshare.proxy.state import ProxyState
-from tritonshare.proxy.tls import HANDSHAKE_TIMEOUT_S
+from tritonshare.proxy.tls import Handshakes
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,7 @@ class RestFrontend:
         self.pool = UpstreamPool(url.hostname or "127.0.0.1", url.port or 80, settings.connect_timeout_s, state)
         self.connections: set[ClientConnection] = set()
         state.metrics.count_connections(PROTOCOL, self.connections.__len__)
+        self.handshakes: Handshakes | None = None
         self.heads: dict[bytes, Judged] = {}
         self.decisions: dict[tuple[str, str], RestDecision] = {}
         self._server: asyncio.Server | None = None
@@ -173,16 +174,11 @@ class RestFrontend:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         settings = self.state.settings
-        tls = self.state.tls.server_context(PROTOCOL) if self.state.tls is not None else None
+        if self.state.tls is not None:  # TLS is put on in _accept, where its handshakes are counted
+            self.handshakes = Handshakes(self.state.tls.server_context(PROTOCOL))
         try:
             self._server = await loop.create_server(
-                self._accept,
-                settings.host,
-                settings.http_port,
-                backlog=1024,
-                reuse_address=True,
-                ssl=tls,
-                ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls is not None else None,
+                self._accept, settings.host, settings.http_port, backlog=1024, reuse_address=True
             )
         except OSError as exc:
             raise cannot_listen("REST", settings.host, settings.http_port, "--http-port", exc) from exc
@@ -193,12 +189,15 @@ class RestFrontend:
         if self._server is not None:
             self._server.close()
 
-    def _accept(self) -> asyncio.Protocol:
+    def _accept(self) -> asyncio.BaseProtocol:
         """A new client connection, or, past ``--max-connections``, a 503 (:mod:`tritonshare.proxy.overload`)."""
         cap = self.state.settings.max_connections
-        if not cap or len(self.connections) < cap:
-            return ClientConnection(self)
+        tls = self.handshakes
+        if not cap or len(self.connections) + (tls.under_way if tls else 0) < cap:
+            return ClientConnection(self) if tls is None else tls.behind_tls(ClientConnection(self))
         self.state.metrics.refused(PROTOCOL, "connection", "too_many_connections")
+        if tls is not None:
+            return Closed()
         message = over_cap_message(self.state.own, cap)
         return TurnedAway(error_response(503, message, close=True, headers=b"Retry-After: 1\r\n"))
 

@@ -16,10 +16,18 @@ in service; the check is repeated at the next interval and the failure is logged
 ALPN per front end (:data:`ALPN`): gRPC requires ``h2``; REST speaks HTTP/1.1 only. TLS 1.2 at least, AEAD
 ciphers only (RFC 7540 §9.2.2 forbids the rest for HTTP/2), no renegotiation. No client certificates. A
 handshake not done within :data:`HANDSHAKE_TIMEOUT_S` ends the connection.
+
+Handshakes count under ``--max-connections`` from accept (:class:`Handshakes`): the front ends listen in
+plain TCP and put each connection behind the TLS protocol asyncio's ``create_server(ssl=…)`` would build
+(uvloop's own under uvloop), built here so the front end learns when its handshake ends, either way. With
+``ssl=`` the connection's protocol hears nothing of a handshake that fails, so handshakes under way could not
+be counted, and a flood of them held open files beyond the cap.
 """
 
 from __future__ import annotations
 
+import asyncio
+import asyncio.sslproto
 import functools
 import logging
 import os
@@ -36,7 +44,7 @@ from tritonshare.common.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
-# A handshake must end within this: until it does, a connection holds an open file but no place under
+# A handshake must end within this: until it does, a connection holds an open file and a place under
 # --max-connections (asyncio's default is 60 s; a handshake takes milliseconds).
 HANDSHAKE_TIMEOUT_S = 10.0
 # The ALPN protocols each front end offers, by its Frontend.protocol name.
@@ -45,6 +53,41 @@ ALPN: dict[str, tuple[str, ...]] = {"rest": ("http/1.1",), "grpc": ("h2",)}
 CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
 
 _FileIdentity = tuple[int, int, int, int, int]
+
+
+class Handshakes:
+    """TLS on one port: each accepted connection is put behind TLS, and counted from then until its
+    handshake ends — done (the connection is the front end's from then on), failed, timed out or cut."""
+
+    def __init__(self, context: ssl.SSLContext) -> None:
+        self.context = context
+        self.under_way = 0
+
+    def behind_tls(self, app: asyncio.Protocol) -> asyncio.BaseProtocol:
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        waiter.add_done_callback(self._ended)
+        self.under_way += 1
+        return _ssl_protocol(loop)(
+            loop, app, self.context, waiter, server_side=True, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S
+        )
+
+    def _ended(self, waiter: asyncio.Future[None]) -> None:
+        self.under_way -= 1
+        if not waiter.cancelled():
+            waiter.exception()  # retrieved: a failed handshake is the client's affair, logged by the protocol
+
+
+def _ssl_protocol(loop: asyncio.AbstractEventLoop) -> Callable[..., asyncio.BaseProtocol]:
+    """The protocol ``loop.create_server(ssl=…)`` itself uses: uvloop's under uvloop, asyncio's otherwise."""
+    try:
+        import uvloop.loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds (not on Windows)
+        return asyncio.sslproto.SSLProtocol
+    protocol = getattr(uvloop.loop, "SSLProtocol", None)
+    if protocol is not None and isinstance(loop, uvloop.loop.Loop):
+        return protocol
+    return asyncio.sslproto.SSLProtocol
 
 
 class TlsCertificates:
