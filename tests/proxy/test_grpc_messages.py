@@ -168,6 +168,31 @@ def test_compressed_messages_are_inspected(encoding: bytes) -> None:
     assert {r.status for r in every_cut(bad, encoding=encoding) if r} == {GRPC_NOT_FOUND}
 
 
+def test_a_compressed_message_of_millions_of_tiny_fields_is_refused_not_walked() -> None:
+    # 2-byte fields compress ~1000:1: a few KiB held the event loop for seconds while every field was walked
+    own = pb.ModelInferRequest(model_name="own").SerializeToString()
+    bomb = framed(gzip.compress(own + b"\x10\x00" * (4 << 20)), compressed=True)
+    assert len(bomb) < 64 << 10
+    for cuts in ((), (100,), (7, 3000)):
+        refusal = inspect(bomb, *cuts, encoding=b"gzip")
+        assert refusal is not None and refusal.status == GRPC_INVALID_ARGUMENT
+        assert "more fields than its size allows" in refusal.message
+
+
+def test_a_compressed_request_with_many_inputs_is_walked_whole() -> None:
+    request = pb.ModelInferRequest(model_name="own", id="req-1")
+    for i in range(500):
+        tensor = request.inputs.add(name=f"INPUT{i}", datatype="FP32", shape=[4])
+        tensor.parameters["binary_data_size"].int64_param = 16
+        request.raw_input_contents.append(bytes(16))  # zeros: as compressible as tensors get
+    request.outputs.add(name="OUTPUT0")
+    message = framed(gzip.compress(request.SerializeToString()), compressed=True)
+    assert inspect(message, encoding=b"gzip") is None
+    assert inspect(message, 10, len(message) // 2, encoding=b"gzip") is None
+    other = framed(gzip.compress(infer("other").SerializeToString()), compressed=True)
+    assert inspect(other, encoding=b"gzip") is not None  # walked to its end, as before
+
+
 def test_compression_the_proxy_cannot_read_is_unimplemented() -> None:
     refusal = inspect(framed(b"\x00\x01", compressed=True), encoding=b"snappy")
     assert refusal is not None and refusal.status == GRPC_UNIMPLEMENTED and "snappy" in refusal.message

@@ -27,7 +27,15 @@ from tritonshare.proxy.policy import (
     grpc_model_allowed,
     grpc_not_found,
 )
-from tritonshare.proxy.protobuf import FieldWalker, MalformedMessage, MessageWalker, WalkResult, names_shm_parameter
+from tritonshare.proxy.protobuf import (
+    COMPRESSED_FIELDS,
+    FIELDS_PER_COMPRESSED_BYTE,
+    FieldWalker,
+    MalformedMessage,
+    MessageWalker,
+    WalkResult,
+    names_shm_parameter,
+)
 
 _DECOMPRESS_STEP = 1 << 20  # decompressed bytes produced per step: bounds memory on compression bombs
 _U32 = struct.Struct(">L")
@@ -199,7 +207,8 @@ class MessageInspector:
                     "compression",
                 )
             self._inflater = zlib.decompressobj(wbits)
-        self._walker = FieldWalker(inspect=self._judge.rule.inspect, limit=self._judge.limit)
+        fields = COMPRESSED_FIELDS if self._inflater is not None else -1  # see protobuf.COMPRESSED_FIELDS
+        self._walker = FieldWalker(inspect=self._judge.rule.inspect, limit=self._judge.limit, fields=fields)
         self._left = length
         return self._end_message(pos) if length == 0 else None
 
@@ -209,6 +218,7 @@ class MessageInspector:
             self._walker.feed(buf, start, end)
             return
         chunk = buf[start:end]
+        self._walker.fields_left += FIELDS_PER_COMPRESSED_BYTE * len(chunk)
         while chunk:
             out = self._inflater.decompress(chunk, _DECOMPRESS_STEP)
             self._walker.feed(out, 0, len(out))
