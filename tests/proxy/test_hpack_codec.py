@@ -50,6 +50,23 @@ def test_an_all_indexed_block_is_cached_until_the_table_changes() -> None:
     assert ours.decode(b"\xbe").get(b":path") == b"/b"  # the same bytes mean something else now
 
 
+def test_blocks_of_unique_large_strings_do_not_fill_the_caches() -> None:
+    # one connection's HEADERS to an unknown path, each with a never-indexed 36 KiB Huffman literal of its own:
+    # cached by their bytes, 1010 of them pinned ~105 MiB
+    encoder, ours = hpack.Encoder(), HeaderDecoder()
+    for i in range(60):
+        value = (b"%06d" % i) * 700
+        block = bytes(encoder.encode([(b":path", b"/x/unknown"), (b"x-pad", value, True)], huffman=True))
+        assert ours.decode(block).get(b"x-pad") == value
+    kept = sum(len(raw) + len(text) for raw, text in ours._huffman.items())
+    kept += sum(len(block) + sum(len(n) + len(v) for n, v in decoded.headers) for block, decoded in ours.known.items())
+    assert kept < 100 << 10
+    headers = [(b":path", b"/x/unknown"), (b"te", b"trailers")]
+    ours.decode(bytes(encoder.encode(headers, huffman=True)))  # indexes them
+    repeated = bytes(encoder.encode(headers, huffman=True))  # all indexed now: short, and cached
+    assert ours.decode(repeated) is ours.decode(repeated)
+
+
 def test_entries_larger_than_the_table_empty_it() -> None:
     ours = HeaderDecoder(max_table_size=64)
     ours.decode(b"\x40\x01a\x01b")  # 34 bytes: fits

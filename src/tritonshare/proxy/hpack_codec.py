@@ -41,8 +41,13 @@ DEFAULT_TABLE_SIZE = 4096  # SETTINGS_HEADER_TABLE_SIZE's initial value (RFC 754
 # sees (refused streams).
 MAX_TABLE_SIZE = 64 * 1024
 _ENTRY_OVERHEAD = 32  # RFC 7541 §4.1
+# Decoded blocks and Huffman strings are cached by their bytes (a client repeats them call after call), but
+# only short ones, which the repeated ones are: caching any size let one connection pin ~105 MiB with blocks of
+# unique 36 KiB strings on refused streams. Bounded so, the caches hold < 100 KiB per connection.
 _CACHE_LIMIT = 128
-_HUFFMAN_CACHE_LIMIT = 1024
+_CACHED_BLOCK_BYTES = 256
+_HUFFMAN_CACHE_LIMIT = 256
+_CACHED_STRING_BYTES = 64
 _MAX_INTEGER_SHIFT = 28  # integers beyond 2**28 are no header a peer needs; refuse them
 
 
@@ -107,7 +112,7 @@ class HeaderDecoder:
             raise HpackError(f"invalid Huffman string in header block: {exc}") from exc
         if result.changes_table:
             self.known.clear()
-        else:
+        elif len(block) <= _CACHED_BLOCK_BYTES:
             if len(self.known) >= _CACHE_LIMIT:
                 self.known.clear()
             self.known[block] = result
@@ -156,9 +161,11 @@ class HeaderDecoder:
             return raw, end
         text = self._huffman.get(raw)
         if text is None:
-            if len(self._huffman) >= _HUFFMAN_CACHE_LIMIT:
-                self._huffman.clear()
-            text = self._huffman[raw] = decode_huffman(raw)
+            text = decode_huffman(raw)
+            if length <= _CACHED_STRING_BYTES:
+                if len(self._huffman) >= _HUFFMAN_CACHE_LIMIT:
+                    self._huffman.clear()
+                self._huffman[raw] = text
         return text, end
 
     def _entry(self, index: int) -> Header:
