@@ -11,7 +11,7 @@ import pytest
 
 from tests.proxy.test_grpc_relay import Client, Recorder, data, frames, message
 from tests.proxy.wire import client_streams
-from tritonshare.proxy import http2
+from tritonshare.proxy import grpc_admission, http2
 from tritonshare.proxy.grpc import GrpcFrontend
 from tritonshare.proxy.grpc_connection import ClientConnection
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
@@ -174,6 +174,27 @@ async def test_a_stream_that_waits_too_long_is_refused_and_reset_at_triton() -> 
         "tritonshare_proxy_requests_total",
         {"model": "own", "protocol": "grpc", "route": "ModelInfer", "code": "resource_exhausted"},
     )
+    await relay.triton_ends(1)
+    assert relay.state.admission.idle and relay.state.inflight == 0
+
+
+async def test_a_waiting_stream_past_the_held_bytes_bound_is_refused_and_credited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a client that ignores flow control and sends on while its stream waits held 4 GB in the proxy
+    monkeypatch.setattr(grpc_admission, "MAX_HELD_BYTES", 100_000)
+    relay = await Relay().start()
+    await relay.send(relay.client.headers(1, "ModelInfer"), data(1, message("own")))  # takes the slot
+    await relay.send(relay.client.headers(3, "ModelInfer"), data(3, message("own"), end=False))  # waits, holds 1 B
+    assert relay.state.admission.waiting == 1 and relay.state.admission.held_bytes == 1
+    before = relay.credits()
+    second = chunks(3, message("own", bytes(200_000)))[:8]  # the first 128 KiB of a second message, held
+    await relay.send(*second)
+    status = relay.client_statuses()[3]
+    assert status["grpc-status"] == "8" and "holds 0 MiB for calls waiting for a slot" in status["grpc-message"]
+    assert relay.at_triton()[3].reset_code == http2.CANCEL  # type: ignore[attr-defined]
+    assert relay.credits() - before == 1 + 8 * 16_384  # everything it held, credited back
+    assert relay.state.admission.held_bytes == 0 and relay.state.admission.waiting == 0
     await relay.triton_ends(1)
     assert relay.state.admission.idle and relay.state.inflight == 0
 

@@ -193,6 +193,7 @@ class Admission:
         )
         self._queue: deque[Ticket] = deque()
         self._timer: Cancellable | None = None
+        self.held_bytes = 0  # gRPC DATA held back from Triton for streams waiting for a slot (grpc_admission)
         self.stats = AdmissionStats()
         self._refusals = _refusals(model, limits)
         self._log = _RefusalLog(self, log_interval_s)

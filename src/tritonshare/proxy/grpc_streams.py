@@ -123,6 +123,7 @@ class StreamTable:
         if stream.ticket is not None:  # waiting, or refused a slot: holds none (cancel is safe either way)
             stream.ticket.cancel()
             if stream.held_bytes:
+                self._admission.held_bytes -= stream.held_bytes
                 self._credit(stream.held_bytes)
             stream.ticket, stream.held, stream.held_bytes = None, None, 0
         elif stream.holding:
