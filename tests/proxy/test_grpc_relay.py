@@ -367,3 +367,20 @@ def test_a_silent_client_gets_no_triton_connection_and_is_closed() -> None:
         return len(opened), to_client.closed
 
     assert asyncio.run(scenario()) == (0, True)
+
+
+def test_a_frame_trickled_in_tiny_reads_is_kept_in_one_buffer_and_relayed_whole() -> None:
+    # an object per 2-byte read of a 4 MiB frame cost the proxy 6× the frame's size
+    big = message("own", bytes(range(256)) * 60)  # 15 KiB: one frame, under Triton's first MAX_FRAME_SIZE
+    frame = data(1, big)
+    start = http2.PREFACE + http2.settings() + Client().headers(1, "ModelInfer") + frame[:9]
+    kept: list[int] = []
+
+    def pieces(connection: ClientConnection, upstream: UpstreamConnection) -> None:
+        for pos in range(9, len(frame), 2):
+            connection.data_received(frame[pos : pos + 2])
+            kept.append(len(connection._partial))
+
+    to_triton, _, _ = asyncio.run(relay([start], pieces))
+    assert max(kept) <= 2  # the header's view and one growing buffer
+    assert bytes(client_streams(to_triton)[1].data) == big

@@ -40,6 +40,7 @@ OpenUpstream = Callable[[Callable[[], UpstreamConnection]], Awaitable[UpstreamCo
 FrameHandler = Callable[[bytes, int, int, int, int], bytes | None]
 # Frame constants read for every frame, as module globals (an attribute lookup each is measurable).
 _HEADER_SIZE, _STREAM_ID_MASK = http2.HEADER_SIZE, http2.STREAM_ID_MASK
+_SMALL_READ = 4096  # reads shorter than this, of an incomplete frame, are copied into one buffer
 
 
 class Host(Protocol):
@@ -67,7 +68,7 @@ class ClientConnection(asyncio.Protocol):
         self._pending: list[bytes] | None = []  # client bytes received while Triton's connection opens
         self._pending_size = 0
         self._unavailable = turned_away  # set: answer every stream UNAVAILABLE, for this reason
-        self._partial: list[bytes | memoryview] = []  # pieces of a frame not yet complete
+        self._partial: list[bytes | bytearray | memoryview] = []  # pieces of a frame not yet complete
         self._partial_size = 0
         self._partial_need = 0  # that frame's full size (0: its 9-byte header is not complete yet)
         self._preface_left = len(http2.PREFACE)
@@ -323,7 +324,13 @@ class ClientConnection(asyncio.Protocol):
             return -1
         need = self._partial_need - self._partial_size
         if len(data) < need:
-            self._partial.append(data)
+            partial = self._partial
+            if len(data) >= _SMALL_READ:
+                partial.append(data)
+            elif partial and type(partial[-1]) is bytearray:  # small reads share one buffer: an object for
+                partial[-1] += data  # each read of a frame trickled in 2-byte writes took 6× its size
+            else:
+                partial.append(bytearray(data))
             self._partial_size += len(data)
             return -1
         self._partial.append(memoryview(data)[:need])
