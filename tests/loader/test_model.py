@@ -346,9 +346,14 @@ def test_a_config_that_is_a_link_is_replaced_by_a_file_and_its_target_kept(tmp_p
     os.replace(tmp_path / "config.pbtxt", shipped)
     (tmp_path / "config.pbtxt").symlink_to("1/config.txt")
     before = shipped.read_text()
-    prepare(tmp_path, "mine", "m.tgz")
+    umask = os.umask(0o077)  # a restrictive umask must not make the config unreadable to Triton's user
+    try:
+        prepare(tmp_path, "mine", "m.tgz")
+    finally:
+        os.umask(umask)
     config = tmp_path / "config.pbtxt"
     assert not config.is_symlink() and config.read_text().startswith('name: "mine"')
+    assert stat.S_IMODE(config.stat().st_mode) == 0o644
     assert shipped.read_text() == before
     assert not list(tmp_path.glob(".config.pbtxt*"))
 

@@ -386,6 +386,7 @@ def _replace_text(path: Path, text: str) -> None:
     temp = path.with_name(f".{path.name}.tritonshare")
     try:
         temp.write_text(text, encoding="utf-8")
+        os.chmod(temp, FILE_MODE)  # as open_modes left the one it replaces, whatever the umask
         os.replace(temp, path)
     finally:
         temp.unlink(missing_ok=True)
