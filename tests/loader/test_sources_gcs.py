@@ -36,6 +36,14 @@ def download(uri: str, dest: Path) -> None:
         source.close()
 
 
+@pytest.mark.parametrize("name", ["v1#final", "v1?draft"])
+def test_hash_and_question_mark_are_characters_of_the_object_name(gcs_server: GcsEmulator, name: str) -> None:
+    gcs_server.put("models", "m/v1/config.pbtxt", b"the other model")
+    gcs_server.put("models", f"m/{name}/config.pbtxt", b"this one")
+    (obj,) = list_objects(open_source(f"gs://models/m/{name}"), FAST)
+    assert obj.key == f"m/{name}/config.pbtxt"
+
+
 def test_a_prefix_is_a_folder_and_never_matches_a_longer_name(gcs_server: GcsEmulator, tmp_path: Path) -> None:
     uri = gcs_server.serve(model_folder(tmp_path))
     gcs_server.serve(model_folder(tmp_path, "model2"))

@@ -61,6 +61,14 @@ def test_a_prefix_is_a_folder_and_never_matches_a_longer_name(s3_server: MotoS3,
         assert sorted(o.relpath for o in objects) == ["1/model.py", "1/weights.bin", "config.pbtxt"]
 
 
+@pytest.mark.parametrize("name", ["v1#final", "v1?draft", "v1 %41"])
+def test_hash_question_mark_and_percent_are_characters_of_the_key(s3_server: MotoS3, name: str) -> None:
+    s3_server.put("models", "m/v1/config.pbtxt", b"the other model")
+    s3_server.put("models", f"m/{name}/config.pbtxt", b"this one")
+    (obj,) = listing(f"s3://models/m/{name}")
+    assert obj.key == f"m/{name}/config.pbtxt"  # urlsplit read 'v1#final' as 'v1': another model, no error
+
+
 def test_an_exact_key_is_one_file_named_by_its_base_name(s3_server: MotoS3) -> None:
     uri = s3_server.put("models", "archives/model.tar.gz", b"tar bytes")
     (obj,) = listing(uri)

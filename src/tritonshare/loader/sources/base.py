@@ -53,6 +53,17 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
+def bucket_and_key(uri: str, usage: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` → ``("bucket", "a/b")``, the key read literally: ``#`` and ``?`` are characters of an
+    object's name, as the aws and gcloud CLIs read them, not a URL's fragment and query (``urlsplit`` cut
+    ``models/v1#final`` to ``models/v1``: another model, installed without a word). ``usage``: the form to
+    suggest when there is no bucket."""
+    bucket, _, key = uri.partition("://")[2].partition("/")
+    if not bucket:
+        raise UsageError(f"source {uri!r}: no bucket — use {usage}")
+    return bucket, key.lstrip("/")
+
+
 def folder_or_object(
     uri: str,
     bucket_uri: str,

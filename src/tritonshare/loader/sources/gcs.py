@@ -25,7 +25,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote, urlencode
 
 from tritonshare.common.errors import (
     SourceAccessDenied,
@@ -33,10 +33,16 @@ from tritonshare.common.errors import (
     SourceNotFound,
     TransientSourceError,
     TritonshareError,
-    UsageError,
     clip,
 )
-from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, folder_or_object, register
+from tritonshare.loader.sources.base import (
+    Checksum,
+    Progress,
+    RemoteObject,
+    bucket_and_key,
+    folder_or_object,
+    register,
+)
 from tritonshare.loader.sources.stream import Body, Part, fetch_stream
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, transport_error
 
@@ -48,13 +54,6 @@ READ_ONLY_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
 LIST_FIELDS = "items(name,size,crc32c,generation),nextPageToken"
 DENIED_HINT = "check the pod's credentials (GOOGLE_APPLICATION_CREDENTIALS or Workload Identity)"
 Listing = list[RemoteObject]  # an alias: inside the class, `list` is the method
-
-
-def parse(uri: str) -> tuple[str, str]:
-    parts = urlsplit(uri)
-    if not parts.netloc:
-        raise UsageError(f"source {uri!r}: no bucket — use gs://BUCKET/PREFIX")
-    return parts.netloc, parts.path.lstrip("/")
 
 
 def endpoint_of(environ: Mapping[str, str]) -> tuple[str, bool]:
@@ -117,7 +116,7 @@ class GcsSource:
         self, uri: str, *, environ: Mapping[str, str] = os.environ, transport: Transport | None = None
     ) -> None:
         self.uri = uri
-        self.bucket, self.key = parse(uri)
+        self.bucket, self.key = bucket_and_key(uri, "gs://BUCKET/PREFIX")
         self.endpoint, emulated = endpoint_of(environ)
         self._auth = None if emulated else GoogleAuth(uri)
         self._transport = transport or Transport()

@@ -57,7 +57,14 @@ from tritonshare.common.errors import (
     UsageError,
     clip,
 )
-from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, folder_or_object, register
+from tritonshare.loader.sources.base import (
+    Checksum,
+    Progress,
+    RemoteObject,
+    bucket_and_key,
+    folder_or_object,
+    register,
+)
 from tritonshare.loader.sources.s3_auth import DEFAULT_REGION, DENIED_HINT, CredentialChain, Signer
 from tritonshare.loader.sources.stream import Body, Part, fetch_stream
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, transport_error
@@ -91,15 +98,6 @@ _FLEXIBLE = {
 }
 _COMPUTABLE = frozenset(_FLEXIBLE.values())
 Listing = list[RemoteObject]  # an alias: inside the class, `list` is the method
-
-
-def parse(uri: str) -> tuple[str, str]:
-    """``s3://bucket/a/b`` → ``("bucket", "a/b")``."""
-    parts = urlsplit(uri)
-    key = parts.path.lstrip("/")
-    if not parts.netloc:
-        raise UsageError(f"source {uri!r}: no bucket — use s3://BUCKET/PREFIX")
-    return parts.netloc, key
 
 
 @dataclass(frozen=True)
@@ -140,7 +138,7 @@ class S3Source:
         self, uri: str, *, environ: Mapping[str, str] = os.environ, transport: Transport | None = None
     ) -> None:
         self.uri = uri
-        self.bucket, self.key = parse(uri)
+        self.bucket, self.key = bucket_and_key(uri, "s3://BUCKET/PREFIX")
         self._environ = environ
         self._credentials = CredentialChain(environ, uri)
         self._transport = transport or Transport(ca_file=environ.get("AWS_CA_BUNDLE") or None)
