@@ -4,6 +4,7 @@ gone until it is told to unload it (so it is told; POLL mode's refusal of that c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -64,6 +65,18 @@ def test_unload_leaves_the_folder_and_drops_the_lease_while_triton_does_not_answ
     assert leases.leases("m") == []  # this pod's lease is gone: gc may take the folder once Triton answers
     assert f"{folder} stays in the repository: Triton at {down} does not answer" in caplog.text
     assert "this pod's lease on it is dropped — gc removes it once Triton answers" in caplog.text
+
+
+def test_unload_judges_another_pods_lease_by_the_default_ttl_at_least(tmp_path: Path, triton: TritonServer) -> None:
+    """A pod with a short --lease-ttl-s must not take a folder from one heartbeating at a tenth of the default."""
+    layout = node(tmp_path)
+    folder = publish(layout, "m")
+    now = time.time()
+    LeaseStore(layout.leases, clock=lambda: now - 45).acquire("m", POD_B)  # its last beat: 45 s ago
+    LeaseStore(layout.leases).acquire("m", POD_A)
+    settings = dataclasses.replace(unload_settings(layout, triton.url, "m", POD_A, timeout_s=5), lease_ttl_s=30.0)
+    result = unload_model(settings)  # Triton answers: "m" is not loading there (another repository)
+    assert result.kept and not result.removed and folder.is_dir()
 
 
 def test_unload_while_triton_starts_up_leaves_the_folder_it_is_loading_and_triton_comes_up(tmp_path: Path) -> None:

@@ -20,11 +20,12 @@ from tests.support.install import install_model, model_ready, wait_model_ready
 from tests.support.models import IDENTITY_MODEL, write_model
 from tests.support.ports import free_port
 from tests.support.triton import TritonServer
-from tritonshare.common.errors import ExitCode
+from tritonshare.common.errors import ExitCode, InsufficientSpace
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import Holder, LeaseStore
 from tritonshare.common.triton import TritonClient
 from tritonshare.common.unload import UnloadSettings, unload_model
+from tritonshare.node import gc as gc_module
 from tritonshare.node.gc import Collector, GcSettings, run
 from tritonshare.node.gc_command import gc
 
@@ -381,6 +382,73 @@ def test_a_folder_no_lease_can_name_is_left_alone_and_the_pass_goes_on(
     assert removed(Collector(settings, clock=clock)) == [("model", "resnet")]
     assert bare_layout.model_dir(".editor-backup").is_dir()
     assert "gc leaves .editor-backup alone" in gc_log.text
+
+
+def test_a_linked_model_and_one_gc_cannot_move_stay_and_the_rest_of_the_pass_goes_on(
+    triton: TritonServer,
+    bare_layout: NodeLayout,
+    tmp_path: Path,
+    clock: Clock,
+    gc_log: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One entry gc cannot rename (a link to a model elsewhere: EISDIR; an operator's root-owned folder:
+    EACCES) ended the whole pass, every pass: staging and orphan leases were never cleaned."""
+    elsewhere = write_model(tmp_path / "elsewhere" / "linked")
+    bare_layout.model_dir("linked").symlink_to(elsewhere)
+    for name in ("resnet", "stuck"):
+        write_model(bare_layout.model_dir(name))
+    leftover = bare_layout.staging / f"resnet.download.{uuid.uuid4().hex[:12]}"
+    leftover.mkdir()
+    collector = Collector(GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S), clock=clock)
+    collector.store.acquire("crashed", POD_A)
+    moving = gc_module.move_out
+
+    def move_out(layout: NodeLayout, name: str) -> Path | None:
+        if name == "stuck":
+            raise PermissionError(13, "Permission denied", str(layout.model_dir(name)))
+        return moving(layout, name)
+
+    monkeypatch.setattr(gc_module, "move_out", move_out)
+    clock.advance(TTL_S + 30)
+    assert sorted(removed(collector)) == [("leases", "crashed"), ("model", "resnet"), ("staging", leftover.name)]
+    assert bare_layout.model_dir("linked").is_symlink() and (elsewhere / "config.pbtxt").is_file()
+    assert bare_layout.model_dir("stuck").is_dir()
+    assert "gc cannot remove stuck: [Errno 13] Permission denied" in gc_log.text
+
+
+def test_staging_is_cleaned_first_so_a_full_disk_is_freed_even_when_the_models_step_fails(
+    bare_layout: NodeLayout, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    leftover = bare_layout.staging / f"resnet.download.{uuid.uuid4().hex[:12]}"
+    (leftover / "1").mkdir(parents=True)
+    collector = Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock)
+
+    def full() -> list[object]:
+        raise InsufficientSpace("creating leases/.locks: the filesystem is full — free space on the node")
+
+    monkeypatch.setattr(collector, "_models", full)
+    clock.advance(TTL_S + 1)
+    with pytest.raises(InsufficientSpace):
+        collector.sweep()
+    assert not leftover.exists()
+
+
+def test_a_staging_tree_deeper_than_python_recurses_is_judged_and_deleted(
+    bare_layout: NodeLayout, clock: Clock
+) -> None:
+    leftover = bare_layout.staging / f"deep.download.{uuid.uuid4().hex[:12]}"
+    deep = leftover
+    deep.mkdir()
+    for _ in range(1200):  # RecursionError in the sidecar: it crash-looped (os.makedirs recurses too)
+        deep = deep / "d"
+        deep.mkdir()
+    (deep / "f").write_bytes(b"x")
+    clock.advance(TTL_S + 1)
+    assert removed(Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock)) == [
+        ("staging", leftover.name)
+    ]
+    assert not leftover.exists()
 
 
 def test_leases_of_models_that_are_not_installed_go_once_expired(

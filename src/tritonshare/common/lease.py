@@ -319,3 +319,10 @@ def _write_atomic(path: Path, data: bytes, *, mtime: float) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def judging_ttl(lease_ttl_s: float) -> float:
+    """The TTL by which a pod judges OTHER pods' leases: its own, but never below the default. A pod
+    heartbeats at a tenth of its own TTL, which may be longer than this pod's: judged by a shorter TTL,
+    its live lease would look expired and its model be removed from under it."""
+    return max(lease_ttl_s, DEFAULT_TTL_S)

@@ -192,27 +192,55 @@ def _move_error(layout: NodeLayout, source: Path, target: Path, exc: OSError) ->
 
 def retire(layout: NodeLayout, name: str) -> bool:
     """Rename ``repository/NAME`` out into staging, then delete it. Returns False if it was not there."""
+    trash = move_out(layout, name)
+    if trash is None:
+        return False
+    discard(trash)
+    return True
+
+
+def move_out(layout: NodeLayout, name: str) -> Path | None:
+    """Rename ``repository/NAME`` to a fresh NAME.retired.ID in staging (one rename, nothing created first: it
+    works on a full disk); where it went, or None if it was not there."""
     source = layout.model_dir(name)
     trash = layout.staging / f"{name}.retired.{uuid.uuid4().hex[:12]}"
     try:
         os.rename(source, trash)
     except FileNotFoundError:
-        return False
+        return None
     except OSError as exc:
         raise _move_error(layout, source, trash, exc) from exc
     logger.info("moved %s out of the repository to %s", source, trash)
-    discard(trash)
-    return True
+    return trash
 
 
 def discard(path: Path) -> None:
     """Delete a staging folder; never raises (a leftover is reported, and gc removes it later)."""
     try:
-        shutil.rmtree(path)
+        try:
+            shutil.rmtree(path)
+        except RecursionError:  # a tree deeper than rmtree's recursion reaches (Python 3.11)
+            _delete_with_a_stack(path)
     except FileNotFoundError:
         pass
     except OSError as exc:
         logger.warning("could not delete %s: %s", path, exc)
+
+
+def _delete_with_a_stack(path: Path) -> None:
+    """``rm -r`` without recursion: folders listed depth first, deleted deepest first."""
+    pending, folders = [str(path)], []
+    while pending:
+        folder = pending.pop()
+        folders.append(folder)
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(entry.path)
+                else:
+                    os.unlink(entry.path)
+    for folder in reversed(folders):  # every folder comes after the one holding it
+        os.rmdir(folder)
 
 
 def wait_until(predicate: Callable[[], bool], *, timeout_s: float, interval_s: float = 0.2) -> bool:

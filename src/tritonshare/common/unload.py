@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from tritonshare.common.errors import ExitCode, TritonUnavailable
 from tritonshare.common.layout import NodeLayout
-from tritonshare.common.lease import DEFAULT_TTL_S, Holder, LeaseStore, Release
+from tritonshare.common.lease import DEFAULT_TTL_S, Holder, LeaseStore, Release, judging_ttl
 from tritonshare.common.repository import retire, wait_until
 from tritonshare.common.triton import TritonClient
 
@@ -124,7 +124,7 @@ class UnloadResult:
 def unload_model(settings: UnloadSettings, *, client: TritonClient | None = None) -> UnloadResult:
     client = client or TritonClient(settings.triton_url)
     name = settings.name
-    leases = LeaseStore(settings.layout.leases, ttl_s=settings.lease_ttl_s)
+    leases = LeaseStore(settings.layout.leases, ttl_s=judging_ttl(settings.lease_ttl_s))  # as the loader
     seen = wait_quiet(client, name, timeout_s=settings.timeout_s, interval_s=settings.poll_interval_s)
     if seen is not Activity.QUIET:
         return _leave(settings, leases, seen)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tritonshare.common.errors import InstallConflict
 from tritonshare.common.layout import NodeLayout
-from tritonshare.common.lease import DEFAULT_TTL_S, Holder, LeaseStore
+from tritonshare.common.lease import DEFAULT_TTL_S, Holder, LeaseStore, judging_ttl
 from tritonshare.common.repository import InstallRecord, publish, read_record, retire, write_record
 from tritonshare.common.triton import TritonClient
 from tritonshare.common.unload import Activity, request_unload, wait_quiet
@@ -185,13 +185,6 @@ def take_over(
         wanted.source,
     )
     return True
-
-
-def judging_ttl(lease_ttl_s: float) -> float:
-    """The TTL by which this loader judges OTHER pods' leases: its own, but never below the default. A pod
-    heartbeats at a tenth of its own TTL, which may be longer than this pod's: judged by a short TTL of ours,
-    its live lease would look expired and its model be removed from under it."""
-    return max(lease_ttl_s, DEFAULT_TTL_S)
 
 
 def _held_by_others(leases: LeaseStore, name: str, holder: Holder | None) -> bool:

@@ -36,7 +36,7 @@ from typing import Literal
 from tritonshare.common.errors import ExitCode, TritonshareError, TritonUnavailable
 from tritonshare.common.layout import NodeLayout, is_model_name
 from tritonshare.common.lease import DEFAULT_TTL_S, Clock, LeaseStore
-from tritonshare.common.repository import discard, new_staging_dir, read_record
+from tritonshare.common.repository import discard, move_out, read_record
 from tritonshare.common.triton import TritonClient
 from tritonshare.common.unload import request_unload
 
@@ -78,9 +78,19 @@ class Collector:
         self._foreign: set[str] = set()  # staging entries not tritonshare's, already logged
 
     def sweep(self) -> list[Removal]:
-        removals = [*self._models(), *self._staging(), *self._orphan_leases()]
+        """One pass: staging leftovers first (they free the disk the other steps may need), then models, then
+        orphan leases; one step's failure does not stop the others (it is raised once all have run)."""
+        removals: list[Removal] = []
+        failed: list[Exception] = []
+        for step in (self._staging, self._models, self._orphan_leases):
+            try:
+                removals += step()
+            except (OSError, TritonshareError) as exc:
+                failed.append(exc)
         for r in removals:
             logger.info("gc removed %s %s (%s): %s", r.kind, r.name, r.path, r.reason)
+        if failed:
+            raise failed[0]
         return removals
 
     def managed(self, name: str) -> bool:
@@ -92,7 +102,13 @@ class Collector:
         moved: list[tuple[Removal, Path]] = []
         try:
             for name in self._candidates():
-                outcome = self._move_out(name)
+                try:
+                    outcome = self._move_out(name)
+                except TritonUnavailable:
+                    raise
+                except (OSError, TritonshareError) as exc:  # this one stays; the others are judged on
+                    logger.error("gc cannot remove %s: %s — the next pass tries again", name, exc)
+                    continue
                 if outcome is not None:
                     moved.append(outcome)
         except TritonUnavailable as exc:
@@ -104,7 +120,9 @@ class Collector:
 
     def _candidates(self) -> list[str]:
         repository = self.settings.layout.repository
-        names = [p.name for p in sorted(repository.iterdir()) if p.is_dir() and self.managed(p.name)]
+        # a link in the repository is the operator's (linked models): never renamed, nor what it leads to
+        folders = [p for p in sorted(repository.iterdir()) if p.is_dir() and not p.is_symlink()]
+        names = [p.name for p in folders if self.managed(p.name)]
         return [name for name in names if _keyable(name) and self._model_reason(name) is not None]
 
     def _model_reason(self, name: str) -> str | None:
@@ -130,7 +148,7 @@ class Collector:
             reason = self._model_reason(name)
             if reason is None or self._loading(name):
                 return None
-            trash = _rename_out(self.settings.layout, name)
+            trash = move_out(self.settings.layout, name)
             if trash is None:
                 return None
             self.store.drop(name)
@@ -241,6 +259,9 @@ def _sweep(collector: Collector) -> bool:
     except (OSError, TritonshareError) as exc:
         logger.error("gc pass failed: %s — the next pass tries again", exc)
         return False
+    except Exception:  # a bug, or a tree no one foresaw: logged, and the sidecar lives on to try again
+        logger.exception("gc pass failed unexpectedly — the next pass tries again")
+        return False
     return True
 
 
@@ -251,20 +272,6 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
-
-
-def _rename_out(layout: NodeLayout, name: str) -> Path | None:
-    """Rename ``repository/NAME`` onto a fresh, empty NAME.retired.ID folder in staging (rename(2) replaces
-    an empty folder), named as :func:`tritonshare.common.repository.retire` names it. None if NAME is gone."""
-    trash = new_staging_dir(layout, name, _RETIRED)
-    try:
-        os.rename(layout.model_dir(name), trash)
-    except OSError as exc:
-        trash.rmdir()
-        if isinstance(exc, FileNotFoundError):
-            return None
-        raise
-    return trash
 
 
 def _keyable(name: str) -> bool:
@@ -298,15 +305,23 @@ def _installed_at(model_dir: Path) -> float | None:
 
 def _last_change(path: Path) -> float | None:
     """Newest max(mtime, ctime) in a tree; None if it vanished. ctime counts because unpacked archives keep
-    old mtimes, while ctime is when the file was made here — a download in progress always looks new."""
+    old mtimes, while ctime is when the file was made here — a download in progress always looks new.
+    Walked with a stack, not recursion: a tree 1,200 levels deep ended the sidecar with RecursionError."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return None
     newest = max(st.st_mtime, st.st_ctime)
-    if stat.S_ISDIR(st.st_mode):
-        for child in _children(path):
-            newest = max(newest, _last_change(child) or newest)
+    pending = [path] if stat.S_ISDIR(st.st_mode) else []
+    while pending:
+        for child in _children(pending.pop()):
+            try:
+                st = os.lstat(child)
+            except FileNotFoundError:
+                continue
+            newest = max(newest, st.st_mtime, st.st_ctime)
+            if stat.S_ISDIR(st.st_mode):
+                pending.append(child)
     return newest
 
 
