@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import os
+import shutil
+import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -15,10 +19,17 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from tests.support.ports import free_port
+from tests.support.ports import free_port, wait_port
 from tests.support.storage import Fault, HttpFileServer, make_tar
-from tritonshare.common.errors import SourceAccessDenied, SourceError, SourceNotFound, TransientSourceError
+from tritonshare.common.errors import (
+    SourceAccessDenied,
+    SourceError,
+    SourceNotFound,
+    TransientSourceError,
+    UsageError,
+)
 from tritonshare.loader.download import DownloadOptions, download_all, list_objects
+from tritonshare.loader.sources.base import RemoteObject
 from tritonshare.loader.sources.http import HttpSource, checksum_from
 
 pytestmark = pytest.mark.storage
@@ -271,6 +282,136 @@ def test_a_big_file_from_a_server_that_serves_ranges_comes_in_parts(
     assert sorted(static_server.ranges) == sorted(
         f"bytes={start}-{min(start + 300_000, len(data)) - 1}" for start in range(0, len(data), 300_000)
     )
+
+
+class Nginx:
+    """nginx serving ``root``: ETags and If-Range as a production file server does them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.port = root, free_port()
+        self.run = root.parent / "nginx-run"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{name}"
+
+    def start(self) -> Nginx:
+        if shutil.which("nginx") is None:
+            pytest.skip("no nginx: run scripts/setup.sh")
+        self.run.mkdir()
+        temps = " ".join(
+            f"{kind}_temp_path {self.run / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
+        (self.run / "nginx.conf").write_text(
+            f"daemon off; master_process off; pid {self.run / 'pid'}; error_log {self.run / 'error.log'};\n"
+            f"events {{}} http {{ access_log off; {temps}\n"
+            f"  server {{ listen 127.0.0.1:{self.port}; root {self.root}; }} }}\n"
+        )
+        self.process = subprocess.Popen(["nginx", "-c", str(self.run / "nginx.conf"), "-p", str(self.run)])
+        wait_port(self.port)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+
+
+@pytest.mark.parametrize("size", [1_000_000, 1_300_000], ids=["same size", "grown"])
+def test_a_file_changed_after_listing_never_lands_as_parts_of_two_versions(tmp_path: Path, size: int) -> None:
+    # the parts were asked without a validator and checked only for their start: a grown file landed cut to the
+    # listed size, a same-size one as a mix of both versions
+    (tmp_path / "www").mkdir()
+    server = Nginx(tmp_path / "www").start()
+    try:
+        _changed_after_listing(server, tmp_path, size)
+    finally:
+        server.stop()
+
+
+def _changed_after_listing(server: Nginx, tmp_path: Path, size: int) -> None:
+    path = server.root / "model.bin"
+    path.write_bytes(os.urandom(1_000_000))
+    os.utime(path, (1_700_000_000, 1_700_000_000))
+    source = opened(server.url("model.bin"))
+    listed = source.list()
+    path.write_bytes(os.urandom(size))  # a new version: another mtime, so another ETag
+    options = DownloadOptions(concurrency=4, retries=1, backoff_base_s=0.01, stall_timeout_s=5, part_bytes=300_000)
+    (tmp_path / "dest").mkdir()
+    with pytest.raises(TransientSourceError, match=r"the file changed since it was listed, or the server ignores"):
+        download_all(source, listed, tmp_path / "dest", options)
+    source.close()
+
+
+def test_a_file_without_a_validator_comes_whole_not_in_parts(tmp_path: Path) -> None:
+    source = HttpSource("http://127.0.0.1:1/model.bin")
+    source._ranges = True  # as if the server said Accept-Ranges: bytes
+    unpinned = RemoteObject(key="k", relpath="model.bin", size=1 << 30)
+    assert not source.ranged(unpinned)
+    assert not source.ranged(dataclasses.replace(unpinned, version='W/"weak"'))
+    assert source.ranged(dataclasses.replace(unpinned, version='"strong"'))
+
+
+def test_a_body_cut_short_of_its_length_is_not_taken_whole_when_the_listing_had_no_size(tmp_path: Path) -> None:
+    server = ShortBodyServer().start()
+    try:
+        source = opened(server.url)
+        (obj,) = source.list()
+        assert obj.size == -1  # HEAD stated no length: nothing to check the body against
+        with pytest.raises(TransientSourceError, match=r"IncompleteRead"):
+            download_all(source, [obj], tmp_path, FAST)
+    finally:
+        server.stop()
+
+
+class ShortBodyServer:
+    """A raw HTTP/1.1 server: HEAD without Content-Length; GET says 1000 bytes, sends 500, closes."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/model.bin"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def start(self) -> ShortBodyServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.sock.close()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                request = conn.recv(65536)
+                if request.startswith(b"HEAD"):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
+                else:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\nConnection: close\r\n\r\n" + b"x" * 500)
+
+
+def test_a_space_in_a_pre_signed_url_is_escaped_and_its_signature_never_shown(tmp_path: Path) -> None:
+    server = HttpFileServer(tmp_path / "www").start()
+    try:
+        (tmp_path / "www").mkdir(exist_ok=True)
+        (tmp_path / "www" / "my model.tgz").write_bytes(b"archive")
+        url = server.url("my model.tgz") + "?X-Amz-Credential=AKIAEXAMPLE&X-Amz-Signature=deadbeefSECRET"
+        (obj,) = opened(url).list()
+        assert obj.size == 7 and "deadbeefSECRET" not in obj.key
+    finally:
+        server.stop()
+
+
+def test_a_socks_proxy_is_a_usage_error_that_never_shows_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HTTP_PROXY", "socks5://proxyuser:Pr0xyS3cret@proxy.corp:1080")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    with pytest.raises(UsageError, match=r"is not an http\(s\) URL.*socks is not supported") as info:
+        opened("http://models.example/m.tgz").list()
+    assert "Pr0xyS3cret" not in str(info.value)
 
 
 def test_redirects_are_followed(static_server: StaticServer, tmp_path: Path) -> None:

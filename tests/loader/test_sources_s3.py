@@ -20,7 +20,14 @@ import pytest
 
 from tests.support.ports import free_port
 from tests.support.storage import Fault, HttpFileServer, MotoS3, RcloneS3, tree_bytes
-from tritonshare.common.errors import SourceAccessDenied, SourceNotFound, TransientSourceError, UsageError
+from tritonshare.common.errors import (
+    ExitCode,
+    InvalidModel,
+    SourceAccessDenied,
+    SourceNotFound,
+    TransientSourceError,
+    UsageError,
+)
 from tritonshare.loader.download import DownloadOptions, download_all, list_objects
 from tritonshare.loader.sources import open_source
 from tritonshare.loader.sources.base import Checksum, RemoteObject
@@ -67,6 +74,15 @@ def test_hash_question_mark_and_percent_are_characters_of_the_key(s3_server: Mot
     s3_server.put("models", f"m/{name}/config.pbtxt", b"this one")
     (obj,) = listing(f"s3://models/m/{name}")
     assert obj.key == f"m/{name}/config.pbtxt"  # urlsplit read 'v1#final' as 'v1': another model, no error
+
+
+def test_a_key_whose_name_the_filesystem_cannot_hold_is_an_invalid_model(s3_server: MotoS3, tmp_path: Path) -> None:
+    s3_server.put("models", "long/config.pbtxt", b"x")
+    s3_server.put("models", "long/" + "a" * 300, b"x")  # S3 allows 1024 bytes; a file name, 255
+    (tmp_path / "dest").mkdir()
+    with pytest.raises(InvalidModel, match=r"the filesystem cannot hold this name \(File name too long\)") as info:
+        download("s3://models/long", tmp_path / "dest")
+    assert info.value.exit_code == ExitCode.SOURCE_PERMANENT
 
 
 def test_an_exact_key_is_one_file_named_by_its_base_name(s3_server: MotoS3) -> None:

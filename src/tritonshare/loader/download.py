@@ -495,4 +495,6 @@ def with_retries(call: Callable[[], T], options: DownloadOptions, pause: Sleep, 
 def _write_error(target: Path, exc: OSError) -> TritonshareError:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return InsufficientSpace(f"writing {target}: the staging filesystem is full — free space on the node")
+    if exc.errno in (errno.ENAMETOOLONG, errno.EISDIR, errno.ENOTDIR):  # the object's name, not the node
+        return InvalidModel(f"{target}: the filesystem cannot hold this name ({exc.strerror}) — rename the object")
     return TritonshareError(f"writing {target} failed: {exc}")

@@ -86,17 +86,28 @@ class HttpSource:
         ]
 
     def open(self, obj: RemoteObject, stall_timeout_s: float, part: Part | None = None) -> Body:
-        headers = {**HEADERS, "Range": part.header} if part else HEADERS
+        """The file, or ``part`` of it, pinned to the file as listed: a part is asked ``If-Range`` its ETag
+        or Last-Modified (a file changed since comes whole, with 200, and is refused) and must come as
+        exactly that range of a file of the listed size."""
+        headers = HEADERS
+        if part:
+            headers = {**HEADERS, "Range": part.header, "If-Range": obj.version}
         what = f"{obj.key} (bytes {part.offset}-{part.offset + part.length - 1})" if part else obj.key
         response = self._request("GET", self._url, headers, stall_timeout_s, what)
-        served = response.header("Content-Range") or ""
-        if part and (response.status != 206 or not served.startswith(f"bytes {part.offset}-")):
+        expected = f"bytes {part.offset}-{part.offset + part.length - 1}/{obj.size}" if part else ""
+        if part and (response.status != 206 or (response.header("Content-Range") or "").strip() != expected):
             response.close()
-            raise TransientSourceError(f"{what}: the server ignored the Range header")
+            raise TransientSourceError(
+                f"{what}: the server did not answer with that range of the {obj.size}-byte file listed "
+                f"(HTTP {response.status}, {response.header('Content-Range') or 'no Content-Range'}): the file "
+                "changed since it was listed, or the server ignores Range"
+            )
         return ResponseBody(response, what, network_error)
 
     def ranged(self, obj: RemoteObject) -> bool:
-        return self._ranges and obj.size > 0
+        """In parts only a file a validator pins (its ETag, unless weak, or Last-Modified): parts of a file
+        the server cannot tell apart from a newer one could mix two versions."""
+        return self._ranges and obj.size > 0 and bool(obj.version) and not obj.version.startswith("W/")
 
     def whole_checksum(self, obj: RemoteObject, stall_timeout_s: float) -> Checksum | None:
         return None  # a server states none beyond what a whole answer's headers say

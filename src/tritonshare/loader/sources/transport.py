@@ -30,10 +30,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from email.message import Message
 from typing import Literal
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
-from tritonshare.common.errors import SourceError, TransientSourceError, TritonshareError
-from tritonshare.loader.sources.base import Checksum
+from tritonshare.common.errors import SourceError, TransientSourceError, TritonshareError, UsageError
+from tritonshare.loader.sources.base import Checksum, display_uri
 
 CONNECT_TIMEOUT_S = 10.0
 ProxyLookup = Callable[[str, str], str | None]  # (scheme, host) → proxy URL, or None to connect directly
@@ -61,7 +61,7 @@ class Origin:
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
+            raise ValueError(f"not an http(s) URL: {display_uri(url)!r}")  # never its credentials
         return cls(scheme, parts.hostname, parts.port or (443 if scheme == "https" else 80))
 
     @property
@@ -81,6 +81,9 @@ class _Route:
     headers: dict[str, str] = field(default_factory=dict)  # Proxy-Authorization, with an http:// proxy
 
 
+_TARGET_SAFE = "!#$%&'()*+,/:;=?@[]~"  # reserved and already-escaped characters: kept as they are
+
+
 class Response:
     """One response: status and headers at once, the body through :meth:`readinto`. Close it (or use it as a
     context manager); its connection is reused only if the body was read to its end."""
@@ -96,9 +99,13 @@ class Response:
         return self.headers.get(name)
 
     def readinto(self, buffer: memoryview) -> int:
-        """Fill ``buffer`` with the next bytes of the body; 0 at its end. A body cut short (fewer bytes than
-        Content-Length) also ends with 0: callers check the size they expected."""
-        return self._raw.readinto(buffer)
+        """Fill ``buffer`` with the next bytes of the body; 0 at its end. A body cut short of its Content-Length
+        raises ``http.client.IncompleteRead`` (http.client itself ends it with 0, and a listing that stated no
+        size had nothing to check it against)."""
+        count = self._raw.readinto(buffer)
+        if not count and buffer.nbytes and self._raw.length:  # bytes still announced, none coming
+            raise http.client.IncompleteRead(b"", self._raw.length)
+        return count
 
     def read(self, limit: int) -> bytes:
         """At most ``limit`` bytes: for listings and error bodies."""
@@ -190,6 +197,10 @@ class Transport:
         origin = Origin.of(url)
         parts = urlsplit(url)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        # characters a request line may not hold (a space, a control character) are escaped, as curl and
+        # requests do; what is escaped already stays (http.client refused them, quoting the whole target:
+        # a pre-signed URL's signature went into the message)
+        target = quote(target, safe=_TARGET_SAFE)
         route = self._route(origin)
         if route.absolute:
             target = f"http://{origin.netloc}{target}"  # absolute form, for the proxy to forward
@@ -243,7 +254,13 @@ class Transport:
         proxy = self._proxy_for(origin.scheme, origin.host)
         if proxy is None:
             return _Route(self._new(origin.scheme, origin.host, origin.port))
-        via = Origin.of(proxy if "://" in proxy else f"http://{proxy}")
+        try:
+            via = Origin.of(proxy if "://" in proxy else f"http://{proxy}")
+        except ValueError:
+            raise UsageError(
+                f"proxy {display_uri(proxy)!r} (HTTPS_PROXY / HTTP_PROXY) is not an http(s) URL — tritonshare reaches "
+                "stores through an HTTP proxy (CONNECT for https); socks is not supported"
+            ) from None
         auth = {"Proxy-Authorization": value} if (value := _proxy_authorization(proxy)) else {}
         if origin.scheme == "http":
             return _Route(self._new(via.scheme, via.host, via.port), absolute=True, headers=auth)
