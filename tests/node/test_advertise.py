@@ -365,6 +365,44 @@ def test_cli_best_effort_reports_the_failure_but_lets_the_pod_start(
     assert "get and patch on nodes/status" in log.read_text()
 
 
+class HtmlAnswers(BaseHTTPRequestHandler):
+    """What answers when --kube-api-url points at a web proxy or a login page: 200, HTML."""
+
+    def _serve(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = b"<html><body>Sign in</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_PATCH = _serve
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_an_answer_that_is_no_kubernetes_object_is_an_api_error_and_best_effort_lets_the_pod_start(
+    token: Path, tmp_path: Path
+) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), HtmlAnswers)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        settings = AdvertiseSettings(node_name=NODE, kube=KubeConfig(api_url=url, token_path=token, timeout_s=2))
+        with pytest.raises(KubeApiError, match=r"the answer is no Kubernetes object \(<html>.*check --kube-api-url"):
+            run(settings, reader=FakeGpu(1024))
+        log = tmp_path / "termination-log"
+        args = ["--node-name", NODE, "--gpu-memory-mib", "1024", "--kube-api-url", url, "--kube-token-path", str(token)]
+        result = CliRunner().invoke(advertise, [*args, "--termination-log", str(log), "--best-effort"])
+        assert result.exit_code == 0, result.output  # it was exit 1 ('a bug in tritonshare'): Triton never started
+        assert "no Kubernetes object" in log.read_text()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_cli_outside_a_pod_asks_for_the_api_url() -> None:
     result = CliRunner().invoke(
         advertise, ["--node-name", NODE, "--gpu-memory-mib", "1"], env={"KUBERNETES_SERVICE_HOST": None}

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from tritonshare.common.command import option, run_command, termination_log_option
-from tritonshare.common.errors import ExitCode, TritonshareError
+from tritonshare.common.errors import ExitCode
 from tritonshare.common.termination import write_termination_message
 
 logger = logging.getLogger("tritonshare")
@@ -91,7 +91,7 @@ def advertise(
     def action() -> int:
         try:
             return run(settings)
-        except TritonshareError as exc:
+        except Exception as exc:  # best effort means any failure, a bug included, leaves Triton free to start
             if not best_effort:
                 raise
             # The node keeps what an earlier run advertised; the reason stays visible in the pod status.

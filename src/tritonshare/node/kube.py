@@ -89,11 +89,26 @@ class KubeClient:
         self._port = parsed.port or (443 if self._https else 80)
 
     def get(self, path: str) -> Any:
-        return self._checked("GET", path, None, {}).json()
+        return self._document("GET", path, self._checked("GET", path, None, {}))
 
     def patch(self, path: str, body: Any, content_type: str) -> Any:
         data = json.dumps(body, separators=(",", ":")).encode()
-        return self._checked("PATCH", path, data, {"Content-Type": content_type}).json()
+        return self._document("PATCH", path, self._checked("PATCH", path, data, {"Content-Type": content_type}))
+
+    @staticmethod
+    def _document(method: str, path: str, response: Response) -> Any:
+        """The answer's JSON object (None for an empty body); anything else, such as an HTML page from a proxy
+        in the way, is a KubeApiError."""
+        if not response.body:
+            return None
+        try:
+            doc = response.json()
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            shown = clip(response.body.decode(errors="replace"))
+            raise KubeApiError(f"{method} {path}: the answer is no Kubernetes object ({shown}) — check --kube-api-url")
+        return doc
 
     def _checked(self, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> Response:
         response = self.request(method, path, body, headers)
