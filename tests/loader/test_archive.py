@@ -471,3 +471,12 @@ def test_memory_does_not_keep_every_member_header(tmp_path: Path, dest: Path, mo
     monkeypatch.setattr(tarfile.TarFile, "next", next_member)
     unpack(make(tmp_path, ".tar.gz", [*MODEL, *[("file", f"model/1/f{i}", "x") for i in range(50)]]), dest)
     assert len(kept) > 50 and max(kept) <= 1
+
+
+@pytest.mark.parametrize("suffix", [".tar.gz", ".zip"])
+def test_a_member_nested_deeper_than_any_model_is_refused(tmp_path: Path, dest: Path, suffix: str) -> None:
+    # 1,100 levels: the loader's tree walks hit RecursionError (exit 1) and left the workspace behind
+    deep = "model/" + "d/" * 1100 + "f.py"
+    archive = make(tmp_path, suffix, [*MODEL, ("file", deep, "x")])
+    with pytest.raises(UnsafeArchive, match=r"its path is 1102 levels deep, more than 64"):
+        unpack(archive, dest)

@@ -50,6 +50,7 @@ Unpacker = Callable[[Path, Path, "Budget"], int]  # (archive, dest, budget) → 
 _TAR_FILTER: dict[str, str] = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
 MAX_HEADER_BYTES = 64 << 10  # a GNU long name or pax header: paths and link targets, far below this
 MAX_LINK_BYTES = 4096  # PATH_MAX: a zip link's target is its data
+MAX_DEPTH = 64  # folders a member's path may go down
 # errors of members that cannot be unpacked as they stand: a file used as a folder, a name too long, …
 _MEMBER_ERRNOS = (errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.ENAMETOOLONG, errno.EINVAL, errno.ELOOP)
 
@@ -101,6 +102,8 @@ def member_target(dest: Path, name: str, archive: Path) -> Path:
     parts = PurePosixPath(name.replace("\\", "/")).parts
     if not parts or name.startswith(("/", "\\")) or ".." in parts or "\0" in name or ":" in parts[0]:
         raise _escape(archive, name, "its path is absolute or climbs out with '..'")
+    if len(parts) > MAX_DEPTH:  # no model nests so deep; Python's own tree walks recurse per level
+        raise _escape(archive, name[:200], f"its path is {len(parts)} levels deep, more than {MAX_DEPTH}")
     target = dest.joinpath(*parts)
     if not _inside(dest, os.path.realpath(target)):
         raise _escape(archive, name, "it would be written through a link that leads outside")
