@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import tarfile
+import time
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -108,6 +109,19 @@ def test_a_stall_mid_archive_is_retried_from_a_clean_folder(
     http_server.fail("/model.tar.gz", Fault(stall_after_bytes=1_500_000, times=1))
     stats = fetch_and_unpack(source, obj, dest, FAST)
     assert tree_bytes(dest / "model") == tree_bytes(model) and stats.retries == 1
+
+
+def test_a_trickle_that_never_stalls_ends_at_the_download_deadline(
+    served: tuple[HttpSource, RemoteObject], http_server: HttpFileServer, dest: Path
+) -> None:
+    # each read waits to fill its buffer (a MiB), so the deadline checked between reads came hours late
+    source, obj = served
+    http_server.fail("/model.tar.gz", Fault(trickle=True))
+    options = DownloadOptions(retries=0, stall_timeout_s=5, download_timeout_s=1)
+    started = time.monotonic()
+    with pytest.raises(TransientSourceError, match=r"not downloaded within 1 s"):
+        fetch_and_unpack(source, obj, dest, options)
+    assert time.monotonic() - started < 4
 
 
 def evil_tar(path: Path) -> Path:

@@ -323,6 +323,7 @@ class Fault:
     corrupt: bool = False  # flip the first byte of the body (headers still describe the true file)
     stall_after_bytes: int | None = None  # send this many body bytes (0: not even headers), then hang
     ignore_range: bool = False  # answer a ranged GET with 200 and the whole file, as some servers do
+    trickle: bool = False  # send the body 20 bytes every 50 ms: never a stall, never done
     used: int = 0
 
 
@@ -455,6 +456,10 @@ class HttpFileServer:
         if fault is not None and fault.stall_after_bytes is not None:
             await response.write(data[: fault.stall_after_bytes])
             await asyncio.sleep(3600)
+        if fault is not None and fault.trickle:
+            for start in range(0, len(data), 20):
+                await response.write(data[start : start + 20])
+                await asyncio.sleep(0.05)
         view = memoryview(data)
         for start in range(0, len(data), 1 << 20):
             await response.write(view[start : start + (1 << 20)])

@@ -146,6 +146,11 @@ class _Stream:
 
     def _receive(self, pipe: Path) -> _Outcome:
         body = self.source.open(self.obj, self.options.stall_timeout_s)
+        # A trickle never stalls a read, and one read fills up to a MiB: at the deadline the body is aborted,
+        # so a read in progress ends then (it went on for hours at 20 bytes a second).
+        watchdog = threading.Timer(max(0.0, self.deadline - self.clock()), body.abort)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             expected = cheapest(body.checksum, self.obj.checksum) if self.options.verify_checksums else None
             hasher = hasher_for(expected.algorithm) if expected else None
@@ -155,6 +160,7 @@ class _Stream:
             while self._read(body, hasher):  # after the tar's end: the rest still counts for size and checksum
                 pass
         finally:
+            watchdog.cancel()
             body.close()
         check_size(self.obj, self.received)
         if expected is not None and hasher is not None:
@@ -196,16 +202,24 @@ class _Stream:
         """The next bytes of the body into ``self.buffer``, hashed and counted; 0 at its end."""
         buffer = self.buffer
         if self.clock() >= self.deadline:
-            raise TransientSourceError(
-                f"{self.obj.key}: not downloaded within {self.options.download_timeout_s:g} s "
-                f"({self.received / MIB:.1f} MiB so far) — raise --download-timeout-s or check the network"
-            )
-        count = body.readinto(buffer)
+            raise self._too_late()
+        try:
+            count = body.readinto(buffer)
+        except TransientSourceError:
+            if self.clock() >= self.deadline:  # the watchdog's abort: say why
+                raise self._too_late() from None
+            raise
         if count and hasher is not None:
             hasher.update(buffer[:count])
         self.received += count
         self._log_progress()
         return count
+
+    def _too_late(self) -> TransientSourceError:
+        return TransientSourceError(
+            f"{self.obj.key}: not downloaded within {self.options.download_timeout_s:g} s "
+            f"({self.received / MIB:.1f} MiB so far) — raise --download-timeout-s or check the network"
+        )
 
     def _log_progress(self) -> None:
         """Every ``progress_interval_s``, as the download engine does: a long transfer is not silent."""
