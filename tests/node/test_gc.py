@@ -451,6 +451,19 @@ def test_a_staging_tree_deeper_than_python_recurses_is_judged_and_deleted(
     assert not leftover.exists()
 
 
+def test_leases_of_dead_pods_go_while_another_pod_holds_the_model(bare_layout: NodeLayout, clock: Clock) -> None:
+    write_model(bare_layout.model_dir("resnet"))
+    collector = Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock)
+    dead = [Holder(uid=f"killed-{i}") for i in range(5)]  # SIGKILLed in a rollout: no release
+    for holder in dead:
+        collector.store.acquire("resnet", holder)
+    clock.advance(TTL_S + 1)
+    collector.store.acquire("resnet", POD_A)  # the pod serving it now
+    assert sorted(removed(collector)) == sorted(("lease", f"resnet {holder}") for holder in dead)
+    assert [lease.holder for lease in collector.store.leases("resnet")] == [POD_A]
+    assert bare_layout.model_dir("resnet").is_dir()
+
+
 def test_leases_of_models_that_are_not_installed_go_once_expired(
     bare_layout: NodeLayout, tmp_path: Path, clock: Clock
 ) -> None:

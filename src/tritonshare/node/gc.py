@@ -61,7 +61,7 @@ class GcSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class Removal:
-    kind: Literal["model", "staging", "leases"]
+    kind: Literal["model", "staging", "leases", "lease"]
     name: str
     path: Path
     reason: str
@@ -82,7 +82,7 @@ class Collector:
         orphan leases; one step's failure does not stop the others (it is raised once all have run)."""
         removals: list[Removal] = []
         failed: list[Exception] = []
-        for step in (self._staging, self._models, self._orphan_leases):
+        for step in (self._staging, self._models, self._orphan_leases, self._dead_holders):
             try:
                 removals += step()
             except (OSError, TritonshareError) as exc:
@@ -226,6 +226,29 @@ class Collector:
             reason = "model not installed and every lease expired"
             removals.append(Removal(kind="leases", name=name, path=self.store.root / name, reason=reason))
         return removals
+
+    def _dead_holders(self) -> list[Removal]:
+        """The expired leases of a model other pods still hold: pods SIGKILLed in a rollout leave them, and
+        nothing else removes them while the model stays in use (50 of them beside one live lease were kept)."""
+        removals = []
+        for name in self.store.names():
+            if not self.managed(name) or not self._expired_beside_fresh(name):
+                continue
+            with self.store.lock(name):
+                if not self._expired_beside_fresh(name):
+                    continue
+                now = self.clock()
+                for lease in self.store.leases(name):
+                    if lease.idle_s(now) > self.settings.lease_ttl_s and self.store.forget(name, lease.holder):
+                        reason = f"expired {lease.idle_s(now):.0f}s ago while another pod holds the model"
+                        path = self.store.path(name, lease.holder)
+                        removals.append(Removal(kind="lease", name=f"{name} {lease.holder}", path=path, reason=reason))
+        return removals
+
+    def _expired_beside_fresh(self, name: str) -> bool:
+        now, ttl = self.clock(), self.settings.lease_ttl_s
+        idle = [lease.idle_s(now) for lease in self.store.leases(name)]
+        return any(i > ttl for i in idle) and any(i <= ttl for i in idle)
 
 
 def run(settings: GcSettings, *, stop: threading.Event | None = None, clock: Clock = time.time) -> int:
