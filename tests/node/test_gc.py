@@ -170,7 +170,7 @@ def test_a_shared_model_stays_while_any_holder_is_fresh(
     clock.advance(40)
     leases.refresh(name, POD_B)
     clock.advance(40)  # A: 80 s without a beat (dead); B: 40 s (alive)
-    assert removed(collector) == []
+    assert removed(collector) == [("lease", f"{name} {POD_A}")]  # only the dead pod's lease goes
     assert model_ready(triton, name)
     clock.advance(TTL_S - 40 + 1)  # now B is gone too
     assert removed(collector) == [("model", name)]
