@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -106,6 +107,20 @@ def test_a_refusal_is_access_denied(fake_endpoint: HttpFileServer) -> None:
     source = GcsSource("gs://models/m")
     with pytest.raises(SourceAccessDenied, match=r"gs://models/m/: access denied .*GOOGLE_APPLICATION_CREDENTIALS"):
         source.list()
+    source.close()
+
+
+def test_a_404_for_the_listed_generation_is_transient_and_one_for_the_name_is_not_found(
+    fake_endpoint: HttpFileServer,
+) -> None:
+    # GCS answers 404 for a generation replaced since the listing (S3: 412): a new listing finds the new one
+    fake_endpoint.fail("/", Fault(status=404))
+    source = GcsSource("gs://models/m")
+    pinned = RemoteObject(key="m/w.bin", relpath="w.bin", size=10, version="1700000000000001")
+    with pytest.raises(TransientSourceError, match=r"the generation listed is gone .*replaced since it was listed"):
+        source.open(pinned, 1.0)
+    with pytest.raises(SourceNotFound, match=r"not found .*check the bucket and the name"):
+        source.open(dataclasses.replace(pinned, version=""), 1.0)
     source.close()
 
 

@@ -197,7 +197,7 @@ class GcsSource:
         except NETWORK_ERRORS as exc:
             raise network_error(exc, what) from exc
         if response.status >= 300:
-            raise status_error(response, what)
+            raise status_error(response, what, pinned="generation" in query)
         return response
 
 
@@ -218,11 +218,15 @@ def network_error(exc: BaseException, what: str) -> TritonshareError:
     )
 
 
-def status_error(response: Response, what: str) -> TritonshareError:
-    """A GCS error answer → the error tree (reads and closes the response)."""
+def status_error(response: Response, what: str, *, pinned: bool = False) -> TritonshareError:
+    """A GCS error answer → the error tree (reads and closes the response). ``pinned``: the request named the
+    listed generation, whose 404 means the object was replaced since it was listed (S3 answers such a GET 412):
+    transient, as a new listing finds the new generation."""
     body = response.error_body(MAX_ERROR_BYTES)
     status = response.status
     detail = f"HTTP {status} {response.reason}" + (f": {clip(_message(body))}" if body.strip() else "")
+    if status == 404 and pinned:
+        return TransientSourceError(f"{what}: the generation listed is gone ({detail}) — replaced since it was listed")
     if status == 404:
         return SourceNotFound(f"{what}: not found ({detail}) — check the bucket and the name")
     if status in (401, 403):
