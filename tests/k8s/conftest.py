@@ -22,13 +22,15 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Build]:
     """Overlays as they are; each component on the Triton and model bases together, so every component is
     built and validated on its own, also where no overlay uses it."""
 
-    def component(comp: Path) -> Build:
-        tmp = tmp_path_factory.mktemp(f"component-{comp.name}")
+    def component(comp: Path, tmp: Path) -> Build:
         return build_with_components(tmp, [TRITON_BASE, MODEL_BASE], [comp])
 
+    # made here, not in the threads: TempPathFactory is not thread-safe (run alone, the k8s tests raced
+    # on creating the session's base folder: "component-advertise is not a normalized and relative path")
+    folders = {p: tmp_path_factory.mktemp(f"component-{p.name}") for p in components()}
     with ThreadPoolExecutor(max_workers=4) as pool:  # kubectl processes; the GIL is not in the way
         built = {f"overlays/{p.name}": pool.submit(build, p) for p in overlays()}
-        built |= {f"components/{p.name}": pool.submit(component, p) for p in components()}
+        built |= {f"components/{p.name}": pool.submit(component, p, tmp) for p, tmp in folders.items()}
         return {name: future.result() for name, future in built.items()}
 
 
