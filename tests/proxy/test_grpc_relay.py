@@ -49,6 +49,15 @@ class Recorder:
 
     abort = close
 
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:  # the proxy's last word: for these tests, the connection is over
+        self.closed = True
+
+    def set_protocol(self, protocol: object) -> None:
+        self.protocol = protocol
+
     def pause_reading(self) -> None: ...
 
     def resume_reading(self) -> None: ...

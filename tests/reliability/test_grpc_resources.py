@@ -148,3 +148,18 @@ def test_rapid_reset_ends_the_connection_and_the_proxy_serves_on(proxy: ProxyPro
     assert sent < 20_000
     assert "HTTP/2 rapid reset" in proxy.log_text()
     assert serves(proxy)
+
+
+def test_a_connection_ended_with_goaway_is_read_to_its_end_by_a_client_still_sending(proxy: ProxyProcess) -> None:
+    """The proxy half-closes after its GOAWAY and drops what the client still sends: closed at once with the
+    client's bytes unread, the kernel resets the connection, and the client may lose the GOAWAY (seen once)."""
+    client = RawClient(proxy.grpc_port, timeout_s=5)
+    oversized = (1 << 20).to_bytes(3, "big") + bytes([http2.DATA, 0]) + (1).to_bytes(4, "big")  # > MAX_FRAME_SIZE
+    client.sock.sendall(oversized)
+    time.sleep(0.2)  # the proxy has answered and ended the connection; the client did not notice and sends on
+    for _ in range(20):
+        client.sock.sendall(b"\x00" * 32_768)  # never read by anyone
+    got = client.frames(closed)
+    client.close()
+    assert goaway_code(got) == http2.FRAME_SIZE_ERROR and closed(got)
+    assert serves(proxy)

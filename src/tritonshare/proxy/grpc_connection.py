@@ -22,6 +22,7 @@ from tritonshare.proxy.grpc_streams import PROTOCOL, IdleWatch, ResetBudget, Str
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
 from tritonshare.proxy.grpc_verdicts import TRITON_DOWN, Unavailable
 from tritonshare.proxy.hpack_codec import HpackError
+from tritonshare.proxy.overload import Lingering
 from tritonshare.proxy.state import ProxyState
 
 logger = logging.getLogger(__name__)
@@ -308,10 +309,14 @@ class ClientConnection(asyncio.Protocol):
         self._close_with(http2.goaway(self._streams.client_max, code))
 
     def _close_with(self, frames: bytes) -> None:
-        """Send the client these last frames, then close (pending writes are flushed first)."""
+        """Send the client these last frames, then end the connection: it lingers (:class:`Lingering`), and
+        this one is done with at once (its streams, its Triton connection)."""
         self._to_client(frames)
-        if self.transport is not None:
-            self.transport.close()
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.set_protocol(Lingering(transport))
+            self.transport = None  # the client's is Lingering's now: Triton's side, closing, must not close it
+            self.connection_lost(None)
 
     def _complete_partial(self, data: bytes) -> int:
         """Add a read to the incomplete frame; once complete, relay it. Returns where the rest of ``data``
