@@ -158,6 +158,8 @@ class ClientConnection(asyncio.Protocol):
         pending, self._pending = self._pending or [], None
         self._pause_client(_PENDING_FULL, False)
         for data in pending:
+            if self.transport is None:  # ended while relaying what came before (see _close_with)
+                break
             self._relay(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
