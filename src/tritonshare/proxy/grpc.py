@@ -76,7 +76,7 @@ from tritonshare.proxy.grpc_connection import ClientConnection, OpenUpstream
 from tritonshare.proxy.grpc_streams import PROTOCOL
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
 from tritonshare.proxy.grpc_verdicts import Unavailable
-from tritonshare.proxy.overload import Closed, over_cap_message
+from tritonshare.proxy.overload import Closed, has_room, over_cap_message
 from tritonshare.proxy.state import ProxyState
 from tritonshare.proxy.tls import Handshakes
 
@@ -123,7 +123,7 @@ class GrpcFrontend:
         with TLS, is closed at once (:mod:`tritonshare.proxy.overload`)."""
         cap = self._state.settings.max_connections
         tls = self.handshakes
-        if not cap or len(self.connections) + (tls.under_way if tls else 0) < cap:
+        if has_room(cap, len(self.connections), tls):
             connection = ClientConnection(self, self._state)
             return connection if tls is None else tls.behind_tls(connection)
         if tls is not None:

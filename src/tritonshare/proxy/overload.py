@@ -20,7 +20,10 @@ take the very handshake the cap bounds. Each answer or close counts as a refusal
 from __future__ import annotations
 
 import asyncio
-from typing import cast
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from tritonshare.proxy.tls import Handshakes
 
 LINGER_S = 2.0  # after the proxy closes a connection, how long it still reads (and drops) what the client sends
 
@@ -44,13 +47,25 @@ def over_cap_message(model: str, cap: int) -> str:
     )
 
 
-class Lingering(asyncio.Protocol):
-    """A connection the proxy has ended after writing its last bytes (a gRPC GOAWAY): half-closed, and what
-    the client still sends read and dropped until it closes or :data:`LINGER_S` pass. Closed at once, with
-    the client's bytes unread, the kernel answers them with a reset, and a client may lose the GOAWAY still
-    in its receive buffer (seen: rapid-reset test, once)."""
+def has_room(cap: int, connections: int, handshakes: Handshakes | None) -> bool:
+    """Whether one more client connection fits under ``cap`` (0: no cap), TLS handshakes under way counted."""
+    return not cap or connections + (handshakes.under_way if handshakes else 0) < cap
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+
+class Lingering(asyncio.Protocol):
+    """A connection the proxy has ended after writing its last bytes (a 503, a gRPC GOAWAY): half-closed,
+    and what the client still sends read and dropped until it closes or :data:`LINGER_S` pass. Closed at
+    once, with the client's bytes unread, the kernel answers them with a reset, and a client may lose the
+    last bytes still in its receive buffer (seen: a GOAWAY in the rapid-reset test, once). ``transport``: a
+    connection taken over once ended; without one, :meth:`end` is called when it is."""
+
+    linger: asyncio.TimerHandle | None = None
+
+    def __init__(self, transport: asyncio.Transport | None = None) -> None:
+        if transport is not None:
+            self.end(transport)
+
+    def end(self, transport: asyncio.Transport) -> None:
         self.linger = half_close(transport)
         try:
             transport.resume_reading()  # it may have been paused for backpressure: read on, and drop
@@ -72,21 +87,14 @@ class Closed(asyncio.Protocol):
         transport.close()
 
 
-class TurnedAway(asyncio.Protocol):
-    """A connection past the cap: ``answer`` is written, then the connection ends."""
+class TurnedAway(Lingering):
+    """A connection past the cap: ``answer`` is written, then the connection ends (and lingers)."""
 
     def __init__(self, answer: bytes) -> None:
+        super().__init__()
         self.answer = answer
-        self.linger: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         writer = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
         writer.write(self.answer)
-        self.linger = half_close(writer)
-
-    def data_received(self, data: bytes) -> None:
-        pass  # dropped: the answer is already written
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.linger is not None:
-            self.linger.cancel()
+        self.end(writer)

@@ -35,7 +35,7 @@ from tritonshare.common.errors import cannot_listen
 from tritonshare.proxy import admission, auth
 from tritonshare.proxy.http1 import RequestHead, error_response, parse_request_head, upstream_head
 from tritonshare.proxy.metrics import RouteMeter
-from tritonshare.proxy.overload import Closed, TurnedAway, over_cap_message
+from tritonshare.proxy.overload import Closed, TurnedAway, has_room, over_cap_message
 from tritonshare.proxy.policy import RestDecision, judge_rest
 from tritonshare.proxy.rest_connection import ClientConnection
 from tritonshare.proxy.rest_requests import WHOLE_BODY_BYTES
@@ -193,7 +193,7 @@ class RestFrontend:
         """A new client connection, or, past ``--max-connections``, a 503 (:mod:`tritonshare.proxy.overload`)."""
         cap = self.state.settings.max_connections
         tls = self.handshakes
-        if not cap or len(self.connections) + (tls.under_way if tls else 0) < cap:
+        if has_room(cap, len(self.connections), tls):
             return ClientConnection(self) if tls is None else tls.behind_tls(ClientConnection(self))
         self.state.metrics.refused(PROTOCOL, "connection", "too_many_connections")
         if tls is not None:
