@@ -155,7 +155,8 @@ def test_a_connection_ended_with_goaway_is_read_to_its_end_by_a_client_still_sen
     """The proxy half-closes after its GOAWAY and drops what the client still sends: closed at once with the
     client's bytes unread, the kernel resets the connection, and the client may lose the GOAWAY (seen once)."""
     client = RawClient(proxy.grpc_port, timeout_s=5)
-    oversized = (1 << 20).to_bytes(3, "big") + bytes([http2.DATA, 0]) + (1).to_bytes(4, "big")  # > MAX_FRAME_SIZE
+    # 16 MiB: above MAX_FRAME_SIZE both before Triton's SETTINGS pass (16 KiB) and after (its 4 MiB)
+    oversized = b"\xff\xff\xff" + bytes([http2.DATA, 0]) + (1).to_bytes(4, "big")
     client.sock.sendall(oversized)
     time.sleep(0.2)  # the proxy has answered and ended the connection; the client did not notice and sends on
     for _ in range(20):
