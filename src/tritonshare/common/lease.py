@@ -171,6 +171,11 @@ class LeaseStore:
         now = self.clock()
         return [lease for lease in self.leases(name) if lease.idle_s(now) <= self.ttl_s]
 
+    def expired(self, name: str) -> list[Lease]:
+        """Leases on NAME whose holder's last heartbeat is older than the TTL."""
+        now = self.clock()
+        return [lease for lease in self.leases(name) if lease.idle_s(now) > self.ttl_s]
+
     def owned_by(self, name: str, holder: Holder) -> bool:
         """Whether ``holder`` holds a lease on NAME (fresh or not: a live pod may be slow to beat)."""
         return self.path(name, holder).is_file()

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from tritonshare.common.errors import InsufficientSpace, InvalidModel, TritonshareError, UnsafeArchive
-from tritonshare.loader.model import check_links
+from tritonshare.loader.model import check_links, inside
 from tritonshare.loader.tar_stream import IncompleteArchive, TarStream
 
 logger = logging.getLogger(__name__)
@@ -127,8 +127,7 @@ def check_link(dest: Path, target: Path, link: str, *, hard: bool, archive: Path
 
 
 def _inside(dest: Path, resolved: str) -> bool:
-    root = os.path.realpath(dest)
-    return resolved == root or resolved.startswith(root + os.sep)
+    return inside(os.path.realpath(dest), resolved)
 
 
 def _escape(archive: Path, name: str, why: str) -> UnsafeArchive:
@@ -143,7 +142,7 @@ def _read_error(archive: Path, kind: str, exc: BaseException) -> TritonshareErro
     engine); anything else means the archive itself is damaged or of another kind."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return InsufficientSpace(f"unpacking {archive.name}: the staging filesystem is full — free space on the node")
-    if isinstance(exc, OSError) and exc.errno in _MEMBER_ERRNOS or isinstance(exc, (KeyError, ValueError)):
+    if (isinstance(exc, OSError) and exc.errno in _MEMBER_ERRNOS) or isinstance(exc, (KeyError, ValueError)):
         return InvalidModel(
             f"{archive.name}: its members cannot be unpacked as they stand ({exc}) — rebuild the archive "
             "(a file used as a folder, or a hard link to a member it does not hold?)"

@@ -332,8 +332,7 @@ def check_links(root: Path, label: str) -> None:
         with os.scandir(pending.pop()) as entries:
             for entry in entries:
                 if entry.is_symlink():
-                    resolved = os.path.realpath(entry.path)
-                    if resolved != real and not resolved.startswith(real + os.sep):
+                    if not inside(real, os.path.realpath(entry.path)):
                         name = Path(entry.path).relative_to(root).as_posix()
                         raise UnsafeArchive(
                             f"{label}: {name!r} links to {os.readlink(entry.path)!r}, which leads outside the model "
@@ -342,6 +341,11 @@ def check_links(root: Path, label: str) -> None:
                         )
                 elif entry.is_dir():
                     pending.append(Path(entry.path))
+
+
+def inside(root: str, resolved: str) -> bool:
+    """``resolved`` is ``root`` or lies under it (both real paths, as ``os.path.realpath`` gives them)."""
+    return resolved == root or resolved.startswith(root + os.sep)
 
 
 def open_modes(top: Path) -> None:

@@ -79,7 +79,8 @@ class Collector:
 
     def sweep(self) -> list[Removal]:
         """One pass: staging leftovers first (they free the disk the other steps may need), then models, then
-        orphan leases; one step's failure does not stop the others (it is raised once all have run)."""
+        leases (of models not installed, and of dead pods beside a live one); one step's failure does not stop
+        the others (it is raised once all have run)."""
         removals: list[Removal] = []
         failed: list[Exception] = []
         for step in (self._staging, self._models, self._orphan_leases, self._dead_holders):
@@ -237,18 +238,15 @@ class Collector:
             with self.store.lock(name):
                 if not self._expired_beside_fresh(name):
                     continue
-                now = self.clock()
-                for lease in self.store.leases(name):
-                    if lease.idle_s(now) > self.settings.lease_ttl_s and self.store.forget(name, lease.holder):
-                        reason = f"expired {lease.idle_s(now):.0f}s ago while another pod holds the model"
+                for lease in self.store.expired(name):
+                    if self.store.forget(name, lease.holder):
+                        reason = f"expired {lease.idle_s(self.clock()):.0f}s ago while another pod holds the model"
                         path = self.store.path(name, lease.holder)
                         removals.append(Removal(kind="lease", name=f"{name} {lease.holder}", path=path, reason=reason))
         return removals
 
     def _expired_beside_fresh(self, name: str) -> bool:
-        now, ttl = self.clock(), self.settings.lease_ttl_s
-        idle = [lease.idle_s(now) for lease in self.store.leases(name)]
-        return any(i > ttl for i in idle) and any(i <= ttl for i in idle)
+        return bool(self.store.expired(name)) and bool(self.store.fresh(name))
 
 
 def run(settings: GcSettings, *, stop: threading.Event | None = None, clock: Clock = time.time) -> int:
