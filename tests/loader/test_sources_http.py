@@ -8,7 +8,6 @@ import dataclasses
 import hashlib
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from tests.loader.test_sources_transport import RawServer
 from tests.support.ports import free_port, wait_port
 from tests.support.storage import Fault, HttpFileServer, make_tar
 from tritonshare.common.errors import (
@@ -353,44 +353,15 @@ def test_a_file_without_a_validator_comes_whole_not_in_parts(tmp_path: Path) -> 
 
 
 def test_a_body_cut_short_of_its_length_is_not_taken_whole_when_the_listing_had_no_size(tmp_path: Path) -> None:
-    server = ShortBodyServer().start()
+    server = RawServer(cut_short=True).start()
     try:
-        source = opened(server.url)
+        source = opened(server.url + "/model.bin")
         (obj,) = source.list()
         assert obj.size == -1  # HEAD stated no length: nothing to check the body against
         with pytest.raises(TransientSourceError, match=r"IncompleteRead"):
             download_all(source, [obj], tmp_path, FAST)
     finally:
         server.stop()
-
-
-class ShortBodyServer:
-    """A raw HTTP/1.1 server: HEAD without Content-Length; GET says 1000 bytes, sends 500, closes."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/model.bin"
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-
-    def start(self) -> ShortBodyServer:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.sock.close()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                request = conn.recv(65536)
-                if request.startswith(b"HEAD"):
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
-                else:
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\nConnection: close\r\n\r\n" + b"x" * 500)
 
 
 def test_a_space_in_a_pre_signed_url_is_escaped_and_its_signature_never_shown(tmp_path: Path) -> None:

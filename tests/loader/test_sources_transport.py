@@ -25,9 +25,11 @@ BODY = b"0123456789" * 1000
 class RawServer:
     """An HTTP/1.1 server on a loopback port: answers every request with ``BODY``; records each request's
     first line and headers, and how many connections it accepted. ``close_after`` closes each connection
-    after that many answers, without saying so (as a server whose idle keep-alive timeout passed)."""
+    after that many answers, without saying so (as a server whose idle keep-alive timeout passed). With
+    ``cut_short``, HEAD states no length and GET announces ``BODY``'s, sends half of it and closes."""
 
     close_after: int | None = None
+    cut_short: bool = False
     stall_s: float = 0.0  # wait this long before answering
     tls: ssl.SSLContext | None = None  # serve HTTPS with this context
     requests: list[tuple[str, dict[str, str]]] = field(default_factory=list)
@@ -71,6 +73,11 @@ class RawServer:
                     return
                 self.requests.append(head)
                 time.sleep(self.stall_s)
+                if self.cut_short:
+                    length = b"" if head[0].startswith("HEAD") else b"Content-Length: %d\r\n" % len(BODY)
+                    body = b"" if head[0].startswith("HEAD") else BODY[: len(BODY) // 2]
+                    conn.sendall(b"HTTP/1.1 200 OK\r\n%sConnection: close\r\n\r\n%s" % (length, body))
+                    return
                 body = b"" if head[0].startswith("HEAD") else BODY
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), body))
                 answered += 1
