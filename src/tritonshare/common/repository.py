@@ -84,11 +84,16 @@ def write_record(model_dir: Path, record: InstallRecord) -> None:
 def new_staging_dir(layout: NodeLayout, name: str, purpose: str = "download") -> Path:
     """A fresh, uniquely named folder in staging (never inside the repository)."""
     path = layout.staging / f"{name}.{purpose}.{uuid.uuid4().hex[:12]}"
+    make_folder(path)
+    return path
+
+
+def make_folder(path: Path) -> None:
+    """``mkdir`` (0755): a full disk, or no inode left, is InsufficientSpace (exit 15), not a traceback."""
     try:
         path.mkdir(mode=0o755)
     except OSError as exc:
         raise disk_error(f"creating {path}", exc) from exc
-    return path
 
 
 def publish(layout: NodeLayout, staged: Path, name: str) -> Path:

@@ -38,7 +38,7 @@ from tritonshare.common.command import doing
 from tritonshare.common.errors import ExitCode, InstallConflict, InsufficientSpace, ReadinessTimeout, TritonLoadFailed
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import Heartbeat, LeaseStore
-from tritonshare.common.repository import InstallRecord, discard, disk_error, new_staging_dir
+from tritonshare.common.repository import InstallRecord, discard, make_folder, new_staging_dir
 from tritonshare.common.triton import TritonClient
 from tritonshare.loader import sources
 from tritonshare.loader.download import MIB, DownloadOptions, download_all, list_objects, listed_bytes
@@ -224,7 +224,7 @@ def _fetch(job: _Fetch) -> Path:
     if stream is None:
         return _unpack_if_archive(_download(job), job)
     unpacked = job.workspace / "unpacked"
-    _make_folder(unpacked)
+    make_folder(unpacked)
     with job.timings.phase("download", note=STREAMED):
         fetch_and_unpack(*stream, unpacked, job.options, max_bytes=job.free(job.workspace))
     return unpacked
@@ -232,7 +232,7 @@ def _fetch(job: _Fetch) -> Path:
 
 def _download(job: _Fetch) -> Path:
     files = job.workspace / "download"
-    _make_folder(files)
+    make_folder(files)
     with job.timings.phase("download"):
         download_all(job.source, job.objects, files, job.options)
     return files
@@ -247,18 +247,11 @@ def _unpack_if_archive(files: Path, job: _Fetch) -> Path:
     if unpacker_for(archive) is None:
         return files
     unpacked = job.workspace / "unpacked"
-    _make_folder(unpacked)
+    make_folder(unpacked)
     with job.timings.phase("unpack"):
         unpack(archive, unpacked, max_bytes=job.free(job.workspace))
     archive.unlink()
     return unpacked
-
-
-def _make_folder(path: Path) -> None:
-    try:
-        path.mkdir()
-    except OSError as exc:  # a full disk (or out of inodes) is exit 15
-        raise disk_error(f"creating {path}", exc) from exc
 
 
 def check_space(staging: Path, needed: int, free: DiskFree, label: str) -> None:
