@@ -36,6 +36,19 @@ def triton(layout: NodeLayout, node_root: Path) -> Iterator[TritonServer]:
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def explicit_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, NodeLayout]]:
+    """A second real Triton, in explicit mode (``--model-control-mode=explicit``: it loads only what it is told
+    to), watching a node folder of its own. Shared like :func:`triton`: tests use their own model names."""
+    root = tmp_path_factory.mktemp("explicit-node")
+    layout = NodeLayout(repository=root / "models", staging=root / "staging", leases=root / "leases")
+    layout.repository.mkdir()
+    layout.staging.mkdir()
+    server = TritonServer(repository=layout.repository, log_path=root / "triton.log", mode="explicit").start()
+    yield server, layout
+    server.stop()
+
+
 @pytest.fixture
 def model_name() -> str:
     return f"m-{uuid.uuid4().hex[:10]}"

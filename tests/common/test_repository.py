@@ -14,10 +14,11 @@ from tritonshare.common.layout import NodeLayout
 from tritonshare.common.repository import (
     RECORD_FILE,
     InstallRecord,
+    discard,
+    move_out,
     new_staging_dir,
     publish,
     read_record,
-    retire,
     write_record,
 )
 
@@ -52,12 +53,14 @@ def test_publish_refuses_to_replace_an_existing_model(node: NodeLayout) -> None:
     assert (node.repository / "m" / "keep").read_text() == "theirs"
 
 
-def test_retire_renames_out_then_deletes(node: NodeLayout) -> None:
+def test_move_out_renames_into_staging_and_discard_deletes(node: NodeLayout) -> None:
     (node.repository / "m" / "1").mkdir(parents=True)
-    assert retire(node, "m") is True
+    trash = move_out(node, "m")
+    assert trash is not None and trash.parent == node.staging and (trash / "1").is_dir()
     assert not (node.repository / "m").exists()
+    discard(trash)
     assert list(node.staging.iterdir()) == []
-    assert retire(node, "m") is False
+    assert move_out(node, "m") is None
 
 
 def test_record_round_trip_and_garbage(node: NodeLayout) -> None:
@@ -130,5 +133,5 @@ def test_publishing_across_two_mounts_of_one_filesystem_is_a_usage_error(two_mou
 def test_retiring_across_two_mounts_is_the_same_usage_error(two_mounts: NodeLayout) -> None:
     (two_mounts.repository / "m" / "1").mkdir(parents=True)
     with pytest.raises(UsageError, match=r"are separate mounts"):
-        retire(two_mounts, "m")
+        move_out(two_mounts, "m")
     assert (two_mounts.repository / "m" / "1").is_dir()

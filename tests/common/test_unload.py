@@ -8,28 +8,24 @@ import dataclasses
 import logging
 import os
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.install import install_model, model_ready, wait_model_ready
-from tests.support.models import IDENTITY_MODEL, write_model
+from tests.support.install import begin_load, install_model, lease_lock_is_free, model_ready, wait_model_ready
+from tests.support.models import SLOW_START_MODEL, write_model
 from tests.support.ports import free_port
 from tests.support.triton import TritonServer
+from tritonshare.common import repository, unload
 from tritonshare.common.errors import ExitCode
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import Holder, LeaseStore
 from tritonshare.common.triton import TritonClient
-from tritonshare.common.unload import POLL_REFUSAL, UnloadSettings, request_unload, unload_model
+from tritonshare.common.unload import POLL_REFUSAL, Activity, UnloadSettings, request_unload, unload_model
 
 POD_A, POD_B = Holder(uid="unload-pod-a"), Holder(uid="unload-pod-b")
-
-# initialize() takes long enough that Triton's start-up (HTTP port still closed) outlasts an unload's wait.
-SLOW_START_MODEL = "import time\n\n\n" + IDENTITY_MODEL.replace(
-    "class TritonPythonModel:\n", "class TritonPythonModel:\n    def initialize(self, args):\n        time.sleep(6)\n\n"
-)
 
 
 def node(root: Path) -> NodeLayout:
@@ -79,6 +75,50 @@ def test_unload_judges_another_pods_lease_by_the_default_ttl_at_least(tmp_path: 
     assert result.kept and not result.removed and folder.is_dir()
 
 
+def test_unload_deletes_the_folder_once_names_lock_is_released(
+    tmp_path: Path, triton: TritonServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loader of NAME waits for NAME's lock: it must not also wait behind the delete of a large model."""
+    layout = node(tmp_path)
+    publish(layout, "m")
+    LeaseStore(layout.leases).acquire("m", POD_A)
+    free_while_deleting: list[bool] = []
+
+    def discard(path: Path) -> None:
+        free_while_deleting.append(lease_lock_is_free(layout, "m"))
+        repository.discard(path)
+
+    monkeypatch.setattr(unload, "discard", discard)
+    result = unload_model(unload_settings(layout, triton.url, "m", POD_A, timeout_s=5))
+    assert result.removed and free_while_deleting == [True]
+    assert not layout.model_dir("m").exists() and os.listdir(layout.staging) == []
+
+
+def test_a_load_begun_while_unload_waited_for_the_lock_keeps_the_folder(
+    explicit_triton: tuple[TritonServer, NodeLayout], model_name: str
+) -> None:
+    """Triton is asked again under NAME's lock: the wait before it may have seen a quiet Triton that began
+    loading NAME while the lock was held (removing the folder then would cut the load from under Triton)."""
+    server, layout = explicit_triton
+    folder = publish(layout, model_name, model_py=SLOW_START_MODEL)
+    leases = LeaseStore(layout.leases)
+    leases.acquire(model_name, POD_A)
+    results: list[unload.UnloadResult] = []
+    settings = unload_settings(layout, server.url, model_name, POD_A, timeout_s=1)
+    with leases.lock(model_name):
+        unloading = threading.Thread(target=lambda: results.append(unload_model(settings)))
+        unloading.start()
+        time.sleep(0.5)  # it found Triton quiet (nothing loads NAME yet) and waits for the lock
+        loading = begin_load(server, model_name)
+    unloading.join()
+    loading.join()
+    assert results[0].left is Activity.LOADING and results[0].exit_code == ExitCode.READINESS_TIMEOUT
+    assert folder.is_dir() and leases.leases(model_name) == []  # left for gc; this pod's lease is dropped
+    client = TritonClient(server.url)
+    assert client.model_ready(model_name)  # the load was not cut from under Triton
+    assert request_unload(client, model_name)
+
+
 def test_unload_while_triton_starts_up_leaves_the_folder_it_is_loading_and_triton_comes_up(tmp_path: Path) -> None:
     """Triton loads its repository before it opens its HTTP port: removing the folder then hangs start-up."""
     layout = node(tmp_path)
@@ -113,16 +153,7 @@ def test_pollings_refusal_of_the_unload_call_counts_as_done(
     assert [r.getMessage() for r in caplog.records if r.name == "tritonshare.common.unload"] == []
 
 
-# ---- explicit mode: a Triton of its own, with --model-control-mode=explicit ------------------------------
-
-
-@pytest.fixture(scope="module")
-def explicit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, NodeLayout]]:
-    root = tmp_path_factory.mktemp("explicit-unload")
-    layout = node(root)
-    server = TritonServer(repository=layout.repository, log_path=root / "triton.log", mode="explicit").start()
-    yield server, layout
-    server.stop()
+# ---- explicit mode: a Triton of its own, with --model-control-mode=explicit (tests/conftest.py) -------------
 
 
 def loaded(server: TritonServer, layout: NodeLayout, name: str) -> TritonClient:
@@ -133,9 +164,9 @@ def loaded(server: TritonServer, layout: NodeLayout, name: str) -> TritonClient:
 
 
 def test_in_explicit_mode_unload_makes_triton_stop_serving_the_model(
-    explicit: tuple[TritonServer, NodeLayout], model_name: str
+    explicit_triton: tuple[TritonServer, NodeLayout], model_name: str
 ) -> None:
-    server, layout = explicit
+    server, layout = explicit_triton
     client = loaded(server, layout, model_name)
     LeaseStore(layout.leases).acquire(model_name, POD_A)
     result = unload_model(unload_settings(layout, server.url, model_name, POD_A, timeout_s=10))
@@ -145,9 +176,9 @@ def test_in_explicit_mode_unload_makes_triton_stop_serving_the_model(
 
 
 def test_in_explicit_mode_a_model_another_pod_holds_keeps_being_served(
-    explicit: tuple[TritonServer, NodeLayout], model_name: str
+    explicit_triton: tuple[TritonServer, NodeLayout], model_name: str
 ) -> None:
-    server, layout = explicit
+    server, layout = explicit_triton
     client = loaded(server, layout, model_name)
     leases = LeaseStore(layout.leases)
     leases.acquire(model_name, POD_A)

@@ -1,21 +1,27 @@
-"""Install identity, reuse and conflicts on a real folder pair, and the folders ``withdraw`` must leave in
-place whatever Triton would say (no Triton needed): one this load reused, one another pod's lease is fresh
-on, and any while Triton does not answer."""
+"""Install identity, reuse and conflicts on a real folder pair; the folders ``withdraw`` must leave in place
+whatever Triton would say (one this load reused, one another pod's lease is fresh on, any while Triton does
+not answer), and, against real Tritons, one whose load began while ``withdraw`` waited for NAME's lock."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.models import write_model
+from tests.support.install import begin_load, lease_lock_is_free
+from tests.support.models import SLOW_START_MODEL, write_model
 from tests.support.ports import free_port
+from tests.support.triton import TritonServer
+from tritonshare.common import repository
 from tritonshare.common.errors import ExitCode, InstallConflict
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import Holder, LeaseStore
 from tritonshare.common.repository import RECORD_FILE, InstallRecord, read_record
 from tritonshare.common.triton import TritonClient
+from tritonshare.loader import install as install_module
 from tritonshare.loader.install import Withdrawal, existing, install, listing_digest, withdraw
 from tritonshare.loader.sources.base import Checksum, RemoteObject, display_uri, query_identity
 
@@ -130,6 +136,51 @@ def test_withdraw_leaves_a_folder_another_pods_lease_is_fresh_on(node: NodeLayou
     assert withdraw(node, "m", unreachable, timeout_s=0, holder=mine) is Withdrawal.SHARED
     assert os.listdir(node.repository) == ["m"]
     assert sorted(lease.holder.uid for lease in leases.leases("m")) == ["pod-mine", "pod-theirs"]
+
+
+def test_withdraw_deletes_once_names_lock_is_released_and_forgets_dead_pods_leases(
+    node: NodeLayout, tmp_path: Path, triton: TritonServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loader of NAME waits for NAME's lock: it must not also wait behind the delete of a large model. The
+    expired leases of pods that held what is gone go with it, under the lock."""
+    install(node, write_model(tmp_path / "staged"), record())
+    mine, dead = Holder(uid="pod-mine"), Holder(uid="pod-dead")
+    leases = LeaseStore(node.leases)
+    LeaseStore(node.leases, clock=lambda: time.time() - 3600).acquire("m", dead)
+    leases.acquire("m", mine)
+    free_while_deleting: list[bool] = []
+
+    def discard(path: Path) -> None:
+        free_while_deleting.append(lease_lock_is_free(node, "m"))
+        repository.discard(path)
+
+    monkeypatch.setattr(install_module, "discard", discard)
+    client = TritonClient(triton.url)  # it answers: "m" is not loading there (another repository)
+    assert withdraw(node, "m", client, timeout_s=5, holder=mine) is Withdrawal.REMOVED
+    assert free_while_deleting == [True] and os.listdir(node.repository) == os.listdir(node.staging) == []
+    assert [lease.holder.uid for lease in leases.leases("m")] == ["pod-mine"]
+
+
+def test_a_load_begun_while_withdraw_waited_for_the_lock_keeps_the_folder(
+    explicit_triton: tuple[TritonServer, NodeLayout], model_name: str
+) -> None:
+    """Triton is asked again under NAME's lock: the wait before it may have seen a quiet Triton that began
+    loading NAME while the lock was held (removing the folder then would cut the load from under Triton)."""
+    server, node = explicit_triton
+    staged = write_model(node.staging / f"{model_name}.test", model_py=SLOW_START_MODEL)
+    folder = install(node, staged, record(name=model_name)).path
+    client = TritonClient(server.url)
+    outcome: list[Withdrawal] = []
+    with LeaseStore(node.leases).lock(model_name):
+        withdrawing = threading.Thread(target=lambda: outcome.append(withdraw(node, model_name, client, timeout_s=1)))
+        withdrawing.start()
+        time.sleep(0.5)  # it found Triton quiet (nothing loads NAME yet) and waits for the lock
+        loading = begin_load(server, model_name)
+    withdrawing.join()
+    loading.join()
+    assert outcome == [Withdrawal.LOADING] and folder.is_dir()
+    assert client.model_ready(model_name)  # the load was not cut from under Triton
+    assert client.unload(model_name).status == 200
 
 
 def test_urls_naming_other_objects_by_their_query_are_other_installs_re_signed_ones_the_same() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from tests.support.ports import free_port
 from tests.support.triton import TritonServer
 from tritonshare.common.errors import ExitCode, ReadinessTimeout, TritonLoadFailed
 from tritonshare.common.layout import NodeLayout
-from tritonshare.common.repository import retire
+from tritonshare.common.repository import discard, move_out
 from tritonshare.common.triton import ModelState, TritonClient
 from tritonshare.loader.install import Withdrawal, withdraw
 from tritonshare.loader.readiness import PollWaiter, load_explicitly, look, wait_live, wait_polled
@@ -42,6 +41,12 @@ def wait_for_state(client: TritonClient, name: str, state: str, timeout_s: float
     raise AssertionError(f"{name} never reached {state}: {client.model_states(name)}")
 
 
+def take_out(layout: NodeLayout, name: str) -> None:
+    trash = move_out(layout, name)
+    assert trash is not None
+    discard(trash)
+
+
 @pytest.fixture
 def client(triton: TritonServer) -> TritonClient:
     return TritonClient(triton.url)
@@ -51,7 +56,7 @@ def test_a_published_model_is_awaited_until_ready(layout: NodeLayout, client: Tr
     publish_model(layout, model_name)
     wait_polled(client, model_name, timeout_s=60)
     assert client.model_ready(model_name)
-    retire(layout, model_name)
+    take_out(layout, model_name)
 
 
 def test_a_failing_model_is_reported_with_tritons_reason_well_before_the_deadline(
@@ -80,7 +85,7 @@ def test_a_failure_left_by_an_earlier_folder_of_the_same_name_is_not_taken_for_t
     assert "no-such-backend" in first.failure()  # Triton shows the old failure for the new folder...
     PollWaiter(client, model_name, timeout_s=60).wait()  # ...which must not be taken for this load's
     assert client.model_ready(model_name)
-    retire(layout, model_name)
+    take_out(layout, model_name)
 
 
 def test_a_config_triton_cannot_parse_times_out_with_a_hint(
@@ -91,7 +96,7 @@ def test_a_config_triton_cannot_parse_times_out_with_a_hint(
     with pytest.raises(ReadinessTimeout, match=r"Triton has not started loading it .* 'Poll failed'") as e:
         wait_polled(client, model_name, timeout_s=2.5)
     assert e.value.exit_code == ExitCode.READINESS_TIMEOUT
-    retire(layout, model_name)
+    take_out(layout, model_name)
 
 
 def test_a_model_missing_from_tritons_repository_times_out_naming_the_repository(
@@ -164,18 +169,7 @@ def test_a_reused_install_not_ready_in_time_is_not_said_to_have_been_published()
         waiter.wait()
 
 
-# ---- explicit mode: a Triton of its own, with --model-control-mode=explicit ------------------------------
-
-
-@pytest.fixture(scope="module")
-def explicit_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, NodeLayout]]:
-    root = tmp_path_factory.mktemp("explicit-node")
-    layout = NodeLayout(repository=root / "models", staging=root / "staging")
-    layout.repository.mkdir()
-    layout.staging.mkdir()
-    server = TritonServer(repository=layout.repository, log_path=root / "triton.log", mode="explicit").start()
-    yield server, layout
-    server.stop()
+# ---- explicit mode: a Triton of its own, with --model-control-mode=explicit (tests/conftest.py) -------------
 
 
 def test_explicit_mode_loads_and_the_model_is_ready(explicit_triton: tuple[TritonServer, NodeLayout]) -> None:

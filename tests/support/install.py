@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 from tests.support.models import IDENTITY_CONFIG, IDENTITY_MODEL, write_model
 from tests.support.triton import TritonServer
 from tritonshare.common.layout import NodeLayout
+from tritonshare.common.triton import TritonClient
 
 
 def install_model(
@@ -44,3 +47,28 @@ def wait_model_ready(triton: TritonServer, name: str, *, timeout_s: float = 60) 
             return
         time.sleep(0.2)
     raise TimeoutError(f"model {name} not ready after {timeout_s}s; Triton log:\n{triton.log_tail()}")
+
+
+def begin_load(triton: TritonServer, name: str, *, timeout_s: float = 30) -> threading.Thread:
+    """Ask an explicit-mode Triton to load NAME (say, :data:`~tests.support.models.SLOW_START_MODEL`) from a
+    thread; returns that thread once Triton's index says LOADING for NAME."""
+    client = TritonClient(triton.url, timeout_s=120)
+    loading = threading.Thread(target=client.load, args=(name,), daemon=True)
+    loading.start()
+    deadline = time.monotonic() + timeout_s
+    while not any(s.state == "LOADING" for s in client.model_states(name)):
+        assert time.monotonic() < deadline, f"Triton never said LOADING for {name}: {client.model_states(name)}"
+        time.sleep(0.05)
+    return loading
+
+
+def lease_lock_is_free(layout: NodeLayout, name: str) -> bool:
+    """Whether another process could take NAME's lease lock now (flock conflicts across open files)."""
+    fd = os.open(layout.leases / ".locks" / name, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True

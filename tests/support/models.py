@@ -109,3 +109,12 @@ class TritonPythonModel:
             out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
         return out
 """
+
+
+# Identity whose initialize() takes ``SLOW_START_S``: Triton says LOADING (or, starting up, does not answer)
+# for that long.
+SLOW_START_S = 6
+SLOW_START_MODEL = "import time\n\n\n" + IDENTITY_MODEL.replace(
+    "class TritonPythonModel:\n",
+    f"class TritonPythonModel:\n    def initialize(self, args):\n        time.sleep({SLOW_START_S})\n\n",
+)

@@ -5,8 +5,9 @@
   repository folder is flushed after it: the rename is the commit. Without the flush, a node that loses
   power soon after a load can come back with the folder and its record in place but files empty or holey
   (ext4 and XFS allocate blocks late), which the next loader would reuse as installed.
-- retire: a model leaves by a rename out of the repository, then a delete in staging
-  (``rm -rf`` in place is not atomic: a poll mid-delete sees a "modified" model).
+- move_out, then discard: a model leaves by a rename out of the repository, then a delete in staging
+  (``rm -rf`` in place is not atomic: a poll mid-delete sees a "modified" model); callers delete after they
+  release NAME's lock.
 
 Each installed model carries ``tritonshare.json``, the record of what was installed (source URI and
 content digest), so a restarted init container can tell "already mine" from "someone else's".
@@ -193,15 +194,6 @@ def _move_error(layout: NodeLayout, source: Path, target: Path, exc: OSError) ->
         f"cannot move {source} to {target}: staging {layout.staging} and the repository {layout.repository} "
         f"are separate mounts (rename(2) does not cross mounts, even of one filesystem) — {ONE_VOLUME}"
     )
-
-
-def retire(layout: NodeLayout, name: str) -> bool:
-    """Rename ``repository/NAME`` out into staging, then delete it. Returns False if it was not there."""
-    trash = move_out(layout, name)
-    if trash is None:
-        return False
-    discard(trash)
-    return True
 
 
 def move_out(layout: NodeLayout, name: str) -> Path | None:

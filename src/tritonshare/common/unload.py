@@ -10,8 +10,10 @@ Order matters (REFERENCE §2):
    lease is dropped and the folder stays; ``tritonshare gc``, which removes nothing while Triton does not
    answer, takes it once Triton is quiet and no lease on NAME is fresh;
 2. drop this pod's lease and, only if no other pod's lease on NAME is fresh (two pods of one model share
-   one install), rename the folder out of the repository, then delete it (:mod:`tritonshare.common.lease`);
-   without a pod identity (an operator at a shell) the folder goes regardless of leases;
+   one install), and Triton, asked again under NAME's lock, still does not say LOADING, rename the folder
+   out of the repository (:mod:`tritonshare.common.lease`), then delete it once the lock is released (a
+   loader of NAME must not wait behind a large delete); without a pod identity (an operator at a shell) the
+   folder goes regardless of leases;
 3. ask Triton to unload NAME (:func:`request_unload`): in explicit mode Triton serves a model whose folder
    is gone until it is told to unload it; POLL mode refuses the call, and there the removal was the unload;
 4. wait (bounded) until Triton no longer reports the model ready.
@@ -26,11 +28,12 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from tritonshare.common.errors import ExitCode, TritonUnavailable
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import DEFAULT_TTL_S, Holder, LeaseStore, Release, judging_ttl
-from tritonshare.common.repository import retire, wait_until
+from tritonshare.common.repository import discard, move_out, wait_until
 from tritonshare.common.triton import TritonClient
 
 logger = logging.getLogger(__name__)
@@ -127,21 +130,25 @@ def unload_model(settings: UnloadSettings, *, client: TritonClient | None = None
     leases = LeaseStore(settings.layout.leases, ttl_s=judging_ttl(settings.lease_ttl_s))  # as the loader
     seen = wait_quiet(client, name, timeout_s=settings.timeout_s, interval_s=settings.poll_interval_s)
     if seen is not Activity.QUIET:
-        return _leave(settings, leases, seen)
-    verdict, removed = _release(settings, leases, client)
+        if settings.holder is not None:
+            leases.forget(name, settings.holder)
+        return _left(settings, seen)
+    verdict, taken = _release(settings, leases, client)
+    if taken.trash is not None:
+        discard(taken.trash)  # outside NAME's lock: a loader of NAME need not wait behind a large delete
     if verdict is not Release.LAST:
         return UnloadResult(removed=False, unloaded=False, kept=True)
-    if not removed:
+    if taken.left is not None:
+        return _left(settings, taken.left)
+    if taken.trash is None:
         logger.info("%s is not in %s; nothing to remove", name, settings.layout.repository)
     unloaded = _wait_unloaded(client, name, settings)
-    return UnloadResult(removed=removed, unloaded=unloaded)
+    return UnloadResult(removed=taken.trash is not None, unloaded=unloaded)
 
 
-def _leave(settings: UnloadSettings, leases: LeaseStore, seen: Activity) -> UnloadResult:
-    """Drop this pod's lease and leave the folder: gc removes it once Triton is quiet, if no one holds it."""
-    name = settings.name
-    if settings.holder is not None:
-        leases.forget(name, settings.holder)
+def _left(settings: UnloadSettings, seen: Activity) -> UnloadResult:
+    """The folder stays, and this pod's lease is already dropped: gc removes the folder once Triton is quiet, if
+    no one holds it."""
     if seen is Activity.LOADING:
         why = "Triton is still LOADING it, and removing it now would hang Triton's polling for every model"
     else:
@@ -152,7 +159,7 @@ def _leave(settings: UnloadSettings, leases: LeaseStore, seen: Activity) -> Unlo
     logger.warning(
         "%s stays in the repository: %s (waited %.0fs)%s — gc removes it once Triton answers and no pod holds a "
         "lease on it, or run unload again later",
-        settings.layout.model_dir(name),
+        settings.layout.model_dir(settings.name),
         why,
         settings.timeout_s,
         "; this pod's lease on it is dropped" if settings.holder is not None else "",
@@ -160,26 +167,41 @@ def _leave(settings: UnloadSettings, leases: LeaseStore, seen: Activity) -> Unlo
     return UnloadResult(removed=False, unloaded=False, left=seen)
 
 
-def _release(settings: UnloadSettings, leases: LeaseStore, client: TritonClient) -> tuple[Release, bool]:
+@dataclass
+class _Taken:
+    """What :func:`_release` did under NAME's lock: where the folder went (deleted once the lock is released),
+    or why it stayed although no other pod holds it."""
+
+    trash: Path | None = None
+    left: Activity | None = None
+
+
+def _release(settings: UnloadSettings, leases: LeaseStore, client: TritonClient) -> tuple[Release, _Taken]:
     """Drop this pod's lease; take the folder out, and ask Triton to unload it, if it was the last fresh lease
-    (or with no pod identity). Under NAME's lock, so a loader cannot publish NAME again in between."""
-    name, holder, removed = settings.name, settings.holder, [False]
+    (or with no pod identity). Under NAME's lock, so a loader cannot publish NAME again in between; and Triton
+    is asked again there, as a load may have begun since the wait."""
+    name, holder, taken = settings.name, settings.holder, _Taken()
 
     def remove() -> None:
-        removed[0] = retire(settings.layout, name)
+        seen = activity(client, name)
+        if seen is not Activity.QUIET:
+            taken.left = seen
+            return
+        taken.trash = move_out(settings.layout, name)
         request_unload(client, name)
 
     if holder is None:
         with leases.lock(name):
             remove()
-            leases.drop(name)
-        return Release.LAST, removed[0]
+            if taken.left is None:
+                leases.drop(name)
+        return Release.LAST, taken
     verdict = leases.release(name, holder, remove=remove)
     if verdict is Release.SHARED:
         logger.info("%s stays in the repository: another pod's lease on it is fresh", name)
     elif verdict is Release.NOT_HELD:
         logger.warning("%s stays in the repository: %s holds no lease on it — not this pod's to remove", name, holder)
-    return verdict, removed[0]
+    return verdict, taken
 
 
 def _wait_unloaded(client: TritonClient, name: str, settings: UnloadSettings) -> bool:

@@ -21,9 +21,9 @@ from pathlib import Path
 from tritonshare.common.errors import InstallConflict
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import DEFAULT_TTL_S, Holder, LeaseStore, judging_ttl
-from tritonshare.common.repository import InstallRecord, publish, read_record, retire, write_record
+from tritonshare.common.repository import InstallRecord, discard, move_out, publish, read_record, write_record
 from tritonshare.common.triton import TritonClient
-from tritonshare.common.unload import Activity, request_unload, wait_quiet
+from tritonshare.common.unload import Activity, activity, request_unload, wait_quiet
 from tritonshare.loader.sources.base import RemoteObject
 
 logger = logging.getLogger(__name__)
@@ -139,14 +139,37 @@ def withdraw(
         return _kept(name, Withdrawal.SHARED)
     seen = wait_quiet(client, name, timeout_s=timeout_s, interval_s=interval_s)
     if seen is not Activity.QUIET:
-        return _kept(name, Withdrawal.LOADING if seen is Activity.LOADING else Withdrawal.UNANSWERED)
+        return _kept(name, _UNQUIET[seen])
     with leases.lock(name):
-        if _held_by_others(leases, name, holder):  # a pod may have taken a lease while Triton was asked
-            return _kept(name, Withdrawal.SHARED)
-        if retire(layout, name):
-            logger.info("took %s back out of the repository", name)
-            request_unload(client, name)
-    return Withdrawal.REMOVED
+        outcome, trash = _take_out(layout, leases, name, client, holder)
+    if trash is not None:
+        discard(trash)  # outside NAME's lock: a loader of NAME need not wait behind a large delete
+        logger.info("took %s back out of the repository", name)
+    return outcome if outcome is Withdrawal.REMOVED else _kept(name, outcome)
+
+
+_UNQUIET = {Activity.LOADING: Withdrawal.LOADING, Activity.UNANSWERED: Withdrawal.UNANSWERED}
+
+
+def _take_out(
+    layout: NodeLayout, leases: LeaseStore, name: str, client: TritonClient, holder: Holder | None
+) -> tuple[Withdrawal, Path | None]:
+    """Under NAME's lock: judge again (a pod may have taken a lease, or a load begun, since the first look),
+    then rename the folder out, ask Triton to unload it, and forget the expired leases of the pods that held
+    what is gone. The delete is the caller's, once the lock is released."""
+    if _held_by_others(leases, name, holder):
+        return Withdrawal.SHARED, None
+    seen = activity(client, name)
+    if seen is not Activity.QUIET:
+        return _UNQUIET[seen], None
+    trash = move_out(layout, name)
+    if trash is not None:
+        request_unload(client, name)
+    own = holder.uid if holder is not None else None
+    for lease in leases.expired(name):  # none fresh but this pod's (checked above)
+        if lease.holder.uid != own:
+            leases.forget(name, lease.holder)
+    return Withdrawal.REMOVED, trash
 
 
 def take_over(
@@ -175,8 +198,6 @@ def take_over(
         return False  # unleased and recent: maybe a load by hand, gc's rule too
     if withdraw(layout, name, client, timeout_s=0, holder=holder, lease_ttl_s=lease_ttl_s) is not Withdrawal.REMOVED:
         return False
-    for lease in others:  # expired (withdraw removes nothing a fresh one holds): they held what is gone
-        leases.forget(name, lease.holder)
     logger.warning(
         "took over %s: it held %s (listing digest %s), which no pod uses any more; installing %s",
         name,
