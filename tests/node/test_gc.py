@@ -47,15 +47,24 @@ SLOW_LOAD_MODEL = (
 
 
 class Clock:
-    """Wall time that a test moves by hand."""
+    """Wall and monotonic time that a test moves by hand: :meth:`advance` moves both, as time passing does;
+    :meth:`step` moves the wall clock alone, as an NTP step or a VM resumed from suspend does."""
 
     def __init__(self) -> None:
         self.now = time.time()
+        self.elapsed = 0.0
 
     def __call__(self) -> float:
         return self.now
 
+    def monotonic(self) -> float:
+        return self.elapsed
+
     def advance(self, seconds: float) -> None:
+        self.now += seconds
+        self.elapsed += seconds
+
+    def step(self, seconds: float) -> None:
         self.now += seconds
 
 
@@ -82,7 +91,7 @@ def settings(triton: TritonServer, layout: NodeLayout, tmp_path: Path, prefix: s
 
 @pytest.fixture
 def collector(settings: GcSettings, clock: Clock) -> Collector:
-    return Collector(settings, clock=clock)
+    return Collector(settings, clock=clock, monotonic=clock.monotonic)
 
 
 @pytest.fixture
@@ -201,7 +210,9 @@ def test_models_outside_the_managed_patterns_are_never_touched(
     kept, managed = f"{prefix}operator", f"{prefix}tenant"
     install_model(layout, triton, kept)
     install_model(layout, triton, managed)
-    collector = Collector(replace(settings, manage=(f"{prefix}ten*", f"{prefix}x*")), clock=clock)
+    collector = Collector(
+        replace(settings, manage=(f"{prefix}ten*", f"{prefix}x*")), clock=clock, monotonic=clock.monotonic
+    )
     clock.advance(TTL_S + 30)
     assert removed(collector) == [("model", managed)]
     assert model_ready(triton, kept)
@@ -303,6 +314,7 @@ def test_gc_never_deletes_what_it_did_not_make_in_staging_even_the_repository_in
         GcSettings(layout=layout, lease_ttl_s=TTL_S),
         client=TritonClient(f"http://127.0.0.1:{free_port()}"),
         clock=clock,
+        monotonic=clock.monotonic,
     )
     collector.store.acquire("resnet", POD_A)
     clock.advance(TTL_S + 30)
@@ -327,6 +339,7 @@ def test_a_stalled_download_stays_while_its_loader_holds_a_fresh_lease(
         GcSettings(layout=bare_layout, lease_ttl_s=TTL_S),
         client=TritonClient(f"http://127.0.0.1:{free_port()}"),
         clock=clock,
+        monotonic=clock.monotonic,
     )
     clock.advance(TTL_S + 30)
     collector.store.acquire("resnet", POD_A)  # the loader's heartbeat goes on
@@ -351,6 +364,7 @@ def test_a_crash_looping_loader_keeps_only_its_newest_workspace(bare_layout: Nod
         GcSettings(layout=bare_layout, lease_ttl_s=TTL_S),
         client=TritonClient(f"http://127.0.0.1:{free_port()}"),
         clock=clock,
+        monotonic=clock.monotonic,
     )
     clock.advance(TTL_S + 30)
     collector.store.acquire("llm", POD_A)  # the latest attempt's heartbeat
@@ -365,7 +379,9 @@ def test_without_triton_no_model_is_removed_but_staging_still_is(
     leftover = bare_layout.staging / f"resnet.download.{uuid.uuid4().hex[:12]}"
     leftover.mkdir()
     settings = GcSettings(layout=bare_layout, lease_ttl_s=TTL_S)
-    collector = Collector(settings, client=TritonClient(f"http://127.0.0.1:{free_port()}"), clock=clock)
+    collector = Collector(
+        settings, client=TritonClient(f"http://127.0.0.1:{free_port()}"), clock=clock, monotonic=clock.monotonic
+    )
     clock.advance(TTL_S + 30)
     assert removed(collector) == [("staging", leftover.name)]
     assert bare_layout.model_dir("resnet").is_dir()
@@ -379,7 +395,7 @@ def test_a_folder_no_lease_can_name_is_left_alone_and_the_pass_goes_on(
     write_model(bare_layout.model_dir("resnet"))
     settings = GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S)
     clock.advance(TTL_S + 30)
-    assert removed(Collector(settings, clock=clock)) == [("model", "resnet")]
+    assert removed(Collector(settings, clock=clock, monotonic=clock.monotonic)) == [("model", "resnet")]
     assert bare_layout.model_dir(".editor-backup").is_dir()
     assert "gc leaves .editor-backup alone" in gc_log.text
 
@@ -400,7 +416,9 @@ def test_a_linked_model_and_one_gc_cannot_move_stay_and_the_rest_of_the_pass_goe
         write_model(bare_layout.model_dir(name))
     leftover = bare_layout.staging / f"resnet.download.{uuid.uuid4().hex[:12]}"
     leftover.mkdir()
-    collector = Collector(GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S), clock=clock)
+    collector = Collector(
+        GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic
+    )
     collector.store.acquire("crashed", POD_A)
     moving = gc_module.move_out
 
@@ -417,12 +435,55 @@ def test_a_linked_model_and_one_gc_cannot_move_stay_and_the_rest_of_the_pass_goe
     assert "gc cannot remove stuck: [Errno 13] Permission denied" in gc_log.text
 
 
+def test_after_the_wall_clock_steps_ahead_gc_removes_nothing_until_live_pods_have_beaten_again(
+    triton: TritonServer, bare_layout: NodeLayout, clock: Clock, gc_log: pytest.LogCaptureFixture
+) -> None:
+    """A VM resumed after an hour's suspend: every heartbeat looks an hour old, the live pod's included, until
+    it beats again (within a tenth of the TTL). gc holds off for a TTL; then the dead pod's model goes."""
+    for name in ("alive", "dead"):
+        write_model(bare_layout.model_dir(name))
+    workspace = bare_layout.staging / f"loading.download.{uuid.uuid4().hex[:12]}"
+    workspace.mkdir()  # a loader still downloading (its lease fresh, not yet installed)
+    collector = Collector(
+        GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic
+    )
+    leases = collector.store
+    leases.acquire("dead", POD_B)
+    clock.advance(TTL_S + 1)  # POD_B was SIGKILLed a while ago
+    leases.acquire("alive", POD_A)
+    leases.acquire("loading", POD_A)
+    clock.step(3600)
+    assert removed(collector) == []
+    assert "the wall clock stepped 3600s ahead" in gc_log.text
+    for beat in range(1, 11):  # the live pod beats a tenth of the TTL apart; gc holds for one TTL
+        clock.advance(TTL_S / 10)
+        assert leases.refresh("alive", POD_A) and leases.refresh("loading", POD_A)
+        os.utime(workspace, (clock.now, clock.now))  # its download goes on
+        assert removed(collector) == ([("model", "dead")] if beat == 10 else [])  # then what is dead goes
+    assert bare_layout.model_dir("alive").is_dir() and workspace.is_dir()
+
+
+def test_a_small_step_of_the_wall_clock_holds_nothing(
+    triton: TritonServer, bare_layout: NodeLayout, clock: Clock, gc_log: pytest.LogCaptureFixture
+) -> None:
+    """NTP's small corrections are within the heartbeat margin (nine missed beats): no hold."""
+    write_model(bare_layout.model_dir("dead"))
+    collector = Collector(
+        GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic
+    )
+    collector.store.acquire("dead", POD_B)
+    clock.advance(TTL_S + 1)
+    clock.step(TTL_S / 10 - 1)
+    assert removed(collector) == [("model", "dead")]
+    assert "stepped" not in gc_log.text
+
+
 def test_staging_is_cleaned_first_so_a_full_disk_is_freed_even_when_the_models_step_fails(
     bare_layout: NodeLayout, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     leftover = bare_layout.staging / f"resnet.download.{uuid.uuid4().hex[:12]}"
     (leftover / "1").mkdir(parents=True)
-    collector = Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock)
+    collector = Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic)
 
     def full() -> list[object]:
         raise InsufficientSpace("creating leases/.locks: the filesystem is full — free space on the node")
@@ -445,15 +506,15 @@ def test_a_staging_tree_deeper_than_python_recurses_is_judged_and_deleted(
         deep.mkdir()
     (deep / "f").write_bytes(b"x")
     clock.advance(TTL_S + 1)
-    assert removed(Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock)) == [
-        ("staging", leftover.name)
-    ]
+    assert removed(
+        Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic)
+    ) == [("staging", leftover.name)]
     assert not leftover.exists()
 
 
 def test_leases_of_dead_pods_go_while_another_pod_holds_the_model(bare_layout: NodeLayout, clock: Clock) -> None:
     write_model(bare_layout.model_dir("resnet"))
-    collector = Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock)
+    collector = Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic)
     dead = [Holder(uid=f"killed-{i}") for i in range(5)]  # SIGKILLed in a rollout: no release
     for holder in dead:
         collector.store.acquire("resnet", holder)
@@ -467,7 +528,7 @@ def test_leases_of_dead_pods_go_while_another_pod_holds_the_model(bare_layout: N
 def test_leases_of_models_that_are_not_installed_go_once_expired(
     bare_layout: NodeLayout, tmp_path: Path, clock: Clock
 ) -> None:
-    collector = Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock)
+    collector = Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic)
     collector.store.acquire("crashed", POD_A)  # its loader died before publishing
     clock.advance(TTL_S + 1)
     collector.store.acquire("downloading", POD_B)  # a loader at work: its model is not there yet
@@ -479,7 +540,9 @@ def test_run_sweeps_every_interval_until_stopped(bare_layout: NodeLayout, tmp_pa
     settings = GcSettings(layout=bare_layout, lease_ttl_s=TTL_S, interval_s=0.1)
     stop = threading.Event()
     codes: list[int] = []
-    thread = threading.Thread(target=lambda: codes.append(run(settings, stop=stop, clock=clock)))
+    thread = threading.Thread(
+        target=lambda: codes.append(run(settings, stop=stop, clock=clock, monotonic=clock.monotonic))
+    )
     thread.start()
     try:
         leftover = bare_layout.staging / f"m.download.{uuid.uuid4().hex[:12]}"

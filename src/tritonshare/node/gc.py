@@ -17,6 +17,12 @@ leaves its staging folder. Every ``interval_s`` one pass removes, and logs with 
 
 Only NAMEs matching one of ``manage`` (fnmatch patterns) are touched, so models an operator put on the node
 by other means can be kept out of reach.
+
+Heartbeats are file mtimes, judged against the wall clock. When that clock steps forward (an NTP step, a VM
+resumed from suspend or paused for a live migration) every lease looks older by the step, and live pods'
+models would go: gc watches the wall clock against the monotonic one (:class:`StepWatch`) and, after a step
+forward larger than a heartbeat interval (a tenth of the TTL), removes nothing for one TTL of monotonic time,
+in which every live pod beats again.
 """
 
 from __future__ import annotations
@@ -67,20 +73,61 @@ class Removal:
     reason: str
 
 
-class Collector:
-    """One node's garbage collector; :meth:`sweep` is one pass. ``clock`` is wall time (file times are)."""
+class StepWatch:
+    """Tells whether the wall clock has run steadily beside the monotonic one for at least ``hold_s``: a step
+    forward of more than ``tolerance_s`` between two looks starts a hold of ``hold_s`` (monotonic) seconds.
+    CLOCK_MONOTONIC is never set, and stands still while a VM is suspended, so a step forward of the wall
+    clock against it is what makes a fresh heartbeat look old. A step back only makes leases look fresher."""
 
-    def __init__(self, settings: GcSettings, *, client: TritonClient | None = None, clock: Clock = time.time) -> None:
+    def __init__(self, wall: Clock, monotonic: Clock, *, tolerance_s: float, hold_s: float) -> None:
+        self.wall, self.monotonic = wall, monotonic
+        self.tolerance_s, self.hold_s = tolerance_s, hold_s
+        self._offset = wall() - monotonic()
+        self._hold_until = float("-inf")
+
+    def steady(self) -> bool:
+        now = self.monotonic()
+        offset = self.wall() - now
+        step, self._offset = offset - self._offset, offset
+        if step > self.tolerance_s:
+            self._hold_until = now + self.hold_s
+            logger.warning(
+                "the wall clock stepped %.0fs ahead (an NTP step, or a VM resumed from suspend?), so every lease "
+                "looks %.0fs older than it is: gc removes nothing for the next %.0fs, while live pods beat again",
+                step,
+                step,
+                self.hold_s,
+            )
+        return now >= self._hold_until
+
+
+class Collector:
+    """One node's garbage collector; :meth:`sweep` is one pass. ``clock`` is wall time (file times are);
+    ``monotonic`` tells its steps (:class:`StepWatch`)."""
+
+    def __init__(
+        self,
+        settings: GcSettings,
+        *,
+        client: TritonClient | None = None,
+        clock: Clock = time.time,
+        monotonic: Clock = time.monotonic,
+    ) -> None:
         self.settings = settings
         self.client = client or TritonClient(settings.triton_url, timeout_s=settings.triton_timeout_s)
         self.clock = clock
         self.store = LeaseStore(settings.layout.leases, ttl_s=settings.lease_ttl_s, clock=clock)
+        ttl = settings.lease_ttl_s
+        self.steps = StepWatch(clock, monotonic, tolerance_s=ttl / 10, hold_s=ttl)
         self._foreign: set[str] = set()  # staging entries not tritonshare's, already logged
 
     def sweep(self) -> list[Removal]:
         """One pass: staging leftovers first (they free the disk the other steps may need), then models, then
         leases (of models not installed, and of dead pods beside a live one); one step's failure does not stop
-        the others (it is raised once all have run)."""
+        the others (it is raised once all have run). Nothing while the wall clock is not steady."""
+        if not self.steps.steady():
+            logger.info("gc removes nothing this pass: the wall clock stepped ahead less than a TTL ago")
+            return []
         removals: list[Removal] = []
         failed: list[Exception] = []
         for step in (self._staging, self._models, self._orphan_leases, self._dead_holders):
@@ -249,10 +296,16 @@ class Collector:
         return bool(self.store.expired(name)) and bool(self.store.fresh(name))
 
 
-def run(settings: GcSettings, *, stop: threading.Event | None = None, clock: Clock = time.time) -> int:
+def run(
+    settings: GcSettings,
+    *,
+    stop: threading.Event | None = None,
+    clock: Clock = time.time,
+    monotonic: Clock = time.monotonic,
+) -> int:
     """Sweep every ``interval_s`` until SIGTERM/SIGINT (or ``stop``); with ``once``, sweep once."""
     settings.layout.check()
-    collector = Collector(settings, clock=clock)
+    collector = Collector(settings, clock=clock, monotonic=monotonic)
     if stop is None:
         stop = threading.Event()
         if not settings.once:
