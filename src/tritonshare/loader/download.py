@@ -4,7 +4,8 @@
   largest objects start first so a big file does not finish last alone. Objects larger than two
   ``part_bytes`` are fetched as ranged parts by the same threads when the source can
   (:class:`~tritonshare.loader.sources.stream.StreamSource`): one connection to S3 carries ~100 MB/s, a
-  model file may be many GiB.
+  model file may be many GiB. A store that turns out to ignore Range (``RangeIgnored``) gets the object
+  fetched whole instead, as one never split.
 * One pass over the bytes: a stream source's bytes are read into one reused buffer per thread, written
   with ``pwrite`` and fed to the checksum from that same buffer; big objects are hashed along a frontier as
   their parts land (:mod:`tritonshare.loader.parts`). Memory stays at one buffer per thread.
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, TypeVar
 from tritonshare.common.errors import (
     InsufficientSpace,
     InvalidModel,
+    RangeIgnored,
     TransientSourceError,
     TritonshareError,
     UnsafeArchive,
@@ -311,16 +313,24 @@ class _Transfer:
         self._settled(lambda: with_retries(attempt, self.options, self._pause, self.rand))
         if not split.complete(index):
             return
+        if split.given_up:  # the store ignores Range: the object comes whole, now that no part writes any more
+            self._whole_instead(split)
+            return
         try:
             self._guarded(split.target, split.verify)
         except TransientSourceError as exc:  # the parts do not add up: fetch it again, in one piece
             logger.warning("%s — fetching it again in one piece", exc)
-            with self.lock:
-                self.bytes_done -= split.obj.size
-            self._object(split.obj, split.target)
+            self._whole_instead(split)
             return
         with self.lock:
             self.objects_done += 1
+
+    def _whole_instead(self, split: Split) -> None:
+        """Fetch ``split``'s object in one piece, over what its parts wrote, which no longer counts as done."""
+        split.close()  # its hasher stops reading the file before the file is truncated
+        with self.lock:
+            self.bytes_done -= split.landed_bytes()
+        self._object(split.obj, split.target)
 
     def _settled(self, call: Callable[[], None]) -> None:
         """``call``; when it fails for good, no other worker starts anything more (the main thread may be
@@ -357,7 +367,11 @@ class _Transfer:
             split.landed(index, count)
             self._progress(split.obj, count)
 
-        self._guarded(split.target, lambda: self._fetch_part(split, remaining, landed))
+        try:
+            self._guarded(split.target, lambda: self._fetch_part(split, remaining, landed))
+        except RangeIgnored:
+            split.give_up()  # the store cannot serve parts (the source has said so): the object comes whole
+            return
         if split.remaining(index) is not None:
             part = split.parts[index]
             raise TransientSourceError(

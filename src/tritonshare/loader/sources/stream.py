@@ -57,7 +57,8 @@ class StreamSource(Protocol):
 
     def open(self, obj: RemoteObject, stall_timeout_s: float, part: Part | None = None) -> Body:
         """The object's bytes, or only ``part`` of them (then the checksum is None). Raises as
-        ``Source.fetch`` does, and TransientSourceError when the store ignores the range."""
+        ``Source.fetch`` does; for a part, RangeIgnored when the store answers with the whole object (the engine
+        then fetches it whole), TransientSourceError when it answers with other bytes."""
         ...
 
     def ranged(self, obj: RemoteObject) -> bool:
