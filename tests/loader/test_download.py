@@ -367,6 +367,9 @@ class StreamedSource:
             raise self.asked
         return self.asked
 
+    def abort(self) -> None:
+        pass  # its bodies are aborted one by one
+
     def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
         raise AssertionError("the engine reads stream sources itself")
 

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from tests.loader.test_sources_transport import BODY, RawServer
 from tests.support.ports import free_port
 from tests.support.storage import Fault, HttpFileServer, MotoS3, RangeDropper, RcloneS3, tree_bytes
 from tritonshare.common.errors import (
@@ -221,6 +222,30 @@ def test_a_failed_download_wakes_a_read_stalled_on_another_object_at_once(
     with pytest.raises(SourceNotFound, match="m/gone.bin"):
         download_all(source, objects, tmp_path, options)
     assert time.monotonic() - started < 5  # not the 60 s stall timeout of the other object's read
+
+
+def test_the_download_deadline_holds_while_the_store_trickles_its_answers_headers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    store = RawServer(trickle_s=0.25).start()  # a header byte every 0.25 s: 10 s for the head, never a stall
+    monkeypatch.setenv("AWS_ENDPOINT_URL", store.url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
+    obj = RemoteObject(key="m/w.bin", relpath="w.bin", size=len(BODY))
+    options = DownloadOptions(stall_timeout_s=5, download_timeout_s=1)
+    started = time.monotonic()
+    try:
+        with closing(S3Source("s3://models/m")) as source, pytest.raises(TransientSourceError) as info:
+            download_all(source, [obj], tmp_path, options)
+    finally:
+        store.stop()
+    assert time.monotonic() - started < 3  # (it took the 10 s the head took to come)
+    assert str(info.value) == (
+        "s3://models/m: download did not finish within 1 s (0.0 of 0.0 MiB) — raise --download-timeout-s or check "
+        "the network to the store"
+    )
+    assert info.value.exit_code == ExitCode.SOURCE_TRANSIENT
 
 
 def test_an_endpoint_nobody_listens_on_is_transient(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,8 +13,9 @@
   read, a size or checksum mismatch) is repeated after an exponential backoff with jitter, up to
   ``options.retries`` more times; a part resumes where it stopped; permanent errors stop the whole download.
 * Deadlines: each read is bounded by ``stall_timeout_s`` inside the source (kserve#5611), the whole
-  transfer by ``download_timeout_s``. On any failure the other transfers are cancelled and their threads
-  joined before the error is raised, so nothing writes into the folder afterwards.
+  transfer by ``download_timeout_s``. On any failure the other transfers are cancelled — a stream source's
+  requests aborted, so a worker waiting on a store that trickles bytes wakes too — and their threads joined
+  before the error is raised, so nothing writes into the folder afterwards.
 * Verified: each object's size and, where the store states one, its cheapest checksum
   (:mod:`tritonshare.loader.checksum`).
 * Progress (bytes, MiB/s) is logged every ``progress_interval_s``.
@@ -216,15 +217,19 @@ class _Transfer:
     def run(self, plan: list[tuple[RemoteObject, Path]]) -> DownloadStats:
         self.total = listed_bytes(obj for obj, _ in plan)
         pool: ThreadPoolExecutor | None = None
+        finished = False
         try:
             tasks = [task for obj, target in plan for task in self._tasks(obj, target)]
             workers = max(1, min(self.options.concurrency, len(tasks)))
             pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tritonshare-download")
             futures = [pool.submit(task) for task in tasks]
             self._wait(futures, len(plan))
+            finished = True
         finally:
             self.cancelled.set()  # a no-op after success; after a failure it stops the other workers
             self._abort_reads()  # a worker blocked on a stalled store wakes now, not after --stall-timeout-s
+            if not finished and self.stream is not None:
+                self.stream.abort()  # and one still waiting for an answer (headers trickling in: the deadline)
             for split in self.splits:  # their hashers stop within one window
                 split.close()
             if pool is not None:
@@ -294,7 +299,7 @@ class _Transfer:
         except OSError as exc:
             raise _write_error(target, exc) from exc
         if self.options.verify_checksums:
-            # (bounded below the stall timeout: a stop waits for this request, which no abort reaches)
+            # (bounded below the stall timeout: verifying the parts waits for this answer)
             ask = partial(source.whole_checksum, obj, min(self.options.stall_timeout_s, ASK_TIMEOUT_S))
             split = Split(obj, target, part_bytes, obj.checksum, self.hashing, ask)
         else:

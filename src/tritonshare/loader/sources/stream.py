@@ -70,6 +70,11 @@ class StreamSource(Protocol):
         keeps one (S3's flexible checksums: one more request); None otherwise, without a request."""
         ...
 
+    def abort(self) -> None:
+        """From another thread, when the download stops: every request in progress ends now (even one whose
+        answer's headers trickle in, which no read timeout ends), and every later one fails at once."""
+        ...
+
 
 def fetch_stream(
     source: StreamSource, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float
