@@ -20,6 +20,7 @@ from tests.support.mounts import tmpfs
 from tritonshare.common.errors import (
     InsufficientSpace,
     InvalidModel,
+    RangeIgnored,
     SourceNotFound,
     TransientSourceError,
     UnsafeArchive,
@@ -331,6 +332,7 @@ class StreamedSource:
         self.slow_offsets = slow_offsets
         self.cuts = dict(cuts or {})
         self.corrupt: set[int] = set()
+        self.whole_only: set[int] = set()  # a part starting there is answered whole (RangeIgnored), as a proxy might
         self.stated: Checksum | None = None  # what a whole-object response states (S3's flexible checksum)
         self.asked: Checksum | Exception | None = None  # what whole_checksum answers (S3: a HEAD), or raises
         self.requests: list[Part | None] = []
@@ -349,6 +351,8 @@ class StreamedSource:
             start = part.offset if part else 0
             cut, corrupt = self.cuts.pop(start, None), start in self.corrupt
             self.corrupt.discard(start)
+        if part and start in self.whole_only:
+            raise RangeIgnored(f"m/big.bin (bytes {start}-): the store ignored the Range header")
         data = self.data[start : start + part.length] if part else self.data
         if corrupt:
             data = bytes([data[0] ^ 0xFF]) + data[1:]
@@ -362,6 +366,9 @@ class StreamedSource:
         if isinstance(self.asked, Exception):
             raise self.asked
         return self.asked
+
+    def abort(self) -> None:
+        pass  # its bodies are aborted one by one
 
     def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
         raise AssertionError("the engine reads stream sources itself")
@@ -394,6 +401,14 @@ def test_a_corrupted_part_fails_the_checksum_and_the_object_comes_again_whole(tm
     stats = download_all(source, [source.object()], tmp_path, PARTED)
     assert (tmp_path / "big.bin").read_bytes() == BIG and stats.bytes == len(BIG)
     assert source.requests[-1] is None  # after the parts, one whole request
+
+
+def test_parts_a_store_answers_whole_give_way_to_one_whole_fetch_once_the_others_end(tmp_path: Path) -> None:
+    source = StreamedSource(BIG, slow_offsets=frozenset({0}))  # part 0 is still landing when part 1 is refused
+    source.whole_only.add(256 << 10)
+    stats = download_all(source, [source.object()], tmp_path, PARTED)
+    assert (tmp_path / "big.bin").read_bytes() == BIG and (stats.bytes, stats.retries) == (len(BIG), 0)
+    assert source.requests[-1] is None and source.requests.count(None) == 1  # once every part asked has ended
 
 
 def test_a_stream_is_hashed_as_it_is_written_and_a_mismatch_is_transient(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import subprocess
 import sys
@@ -18,8 +19,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from tests.loader.test_sources_transport import BODY, RawServer
 from tests.support.ports import free_port
-from tests.support.storage import Fault, HttpFileServer, MotoS3, RcloneS3, tree_bytes
+from tests.support.storage import Fault, HttpFileServer, MotoS3, RangeDropper, RcloneS3, tree_bytes
 from tritonshare.common.errors import (
     ExitCode,
     InvalidModel,
@@ -222,6 +224,30 @@ def test_a_failed_download_wakes_a_read_stalled_on_another_object_at_once(
     assert time.monotonic() - started < 5  # not the 60 s stall timeout of the other object's read
 
 
+def test_the_download_deadline_holds_while_the_store_trickles_its_answers_headers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    store = RawServer(trickle_s=0.25).start()  # a header byte every 0.25 s: 10 s for the head, never a stall
+    monkeypatch.setenv("AWS_ENDPOINT_URL", store.url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/dev/null")
+    obj = RemoteObject(key="m/w.bin", relpath="w.bin", size=len(BODY))
+    options = DownloadOptions(stall_timeout_s=5, download_timeout_s=1)
+    started = time.monotonic()
+    try:
+        with closing(S3Source("s3://models/m")) as source, pytest.raises(TransientSourceError) as info:
+            download_all(source, [obj], tmp_path, options)
+    finally:
+        store.stop()
+    assert time.monotonic() - started < 3  # (it took the 10 s the head took to come)
+    assert str(info.value) == (
+        "s3://models/m: download did not finish within 1 s (0.0 of 0.0 MiB) — raise --download-timeout-s or check "
+        "the network to the store"
+    )
+    assert info.value.exit_code == ExitCode.SOURCE_TRANSIENT
+
+
 def test_an_endpoint_nobody_listens_on_is_transient(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
@@ -281,13 +307,48 @@ def test_a_whole_object_range_a_store_ignores_is_accepted(
     assert (tmp_path / "big.bin").read_bytes() == data and stats.retries == 0 and fault.used == 1
 
 
-def test_a_part_range_a_store_ignores_is_refused(
-    fake_endpoint: HttpFileServer, source: S3Source, tmp_path: Path
+@pytest.fixture
+def range_dropper(s3_server: MotoS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[RangeDropper]:
+    """moto behind a forwarder that drops the Range header, as the S3 endpoint: a store that ignores Range."""
+    dropper = RangeDropper(s3_server.port).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dropper.endpoint)
+    yield dropper
+    dropper.stop()
+
+
+def test_big_objects_from_a_store_that_ignores_range_come_whole(
+    s3_server: MotoS3, range_dropper: RangeDropper, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _, obj = big_object(fake_endpoint)
-    fake_endpoint.fail("/models/m/big.bin", Fault(ignore_range=True))
-    with pytest.raises(TransientSourceError, match=r"m/big.bin \(bytes \d+-\d+\): the store ignored the Range header"):
-        download_all(source, [obj], tmp_path, PARTS)
+    folder = model_folder(tmp_path, weights=1_000_000)  # ten parts of PARTS' 100,000 bytes
+    (folder / "1" / "other.bin").write_bytes(os.urandom(700_000))  # seven
+    uri = s3_server.serve(folder)
+    (tmp_path / "dest").mkdir()
+    with caplog.at_level(logging.WARNING, logger="tritonshare.loader.sources.s3"):
+        download(uri, tmp_path / "dest", PARTS)
+    assert tree_bytes(tmp_path / "dest") == tree_bytes(folder)  # (it failed: "the store ignored the Range header")
+    warned = [r.getMessage() for r in caplog.records if "ignores the Range header" in r.getMessage()]
+    assert warned == [
+        "s3://models: the store ignores the Range header (a ranged GET got the whole object) — fetching big objects "
+        "whole, one stream each, which is slower than in parallel parts; check the server at AWS_ENDPOINT_URL, or a "
+        "proxy in front of it that drops Range"
+    ]
+    big = {"weights.bin": 1_000_000, "other.bin": 700_000}
+    asked = [(line.split()[1].rsplit("/", 1)[1], dropped) for line, dropped in range_dropper.requests]
+    wholes = sorted(name for name, dropped in asked if name in big and dropped == f"bytes=0-{big[name] - 1}")
+    parts = [name for name, dropped in asked if name in big and dropped != f"bytes=0-{big[name] - 1}"]
+    assert wholes == ["other.bin", "weights.bin"]  # one GET each
+    assert 1 <= len(parts) <= PARTS.concurrency  # only those asked before the first answer came
+
+
+def test_a_big_object_a_store_sends_whole_is_still_verified_against_its_etag(
+    s3_server: MotoS3, range_dropper: RangeDropper, tmp_path: Path
+) -> None:
+    uri = s3_server.put("models", "m/big.bin", b"A" * 1_000_000)
+    s3_server.tamper("models", "m/big.bin", b"B" * 1_000_000)  # the listed ETag is A's MD5
+    (tmp_path / "dest").mkdir()
+    with pytest.raises(TransientSourceError, match=r"m/big.bin: md5 checksum mismatch .*gave up after 3 attempts"):
+        download(uri, tmp_path / "dest", PARTS)
+    assert [asked for _, asked in range_dropper.requests][-3:] == ["bytes=0-999999"] * 3  # whole, three times
 
 
 @pytest.mark.parametrize("listed", ["flexible-checksum", "no-etag"])

@@ -16,7 +16,7 @@ from typing import BinaryIO
 import pytest
 
 from tests.support.certs import CertificateAuthority
-from tritonshare.loader.sources.transport import Origin, Transport, failure_kind
+from tritonshare.loader.sources.transport import NETWORK_ERRORS, Origin, Transport, failure_kind
 
 BODY = b"0123456789" * 1000
 
@@ -26,11 +26,13 @@ class RawServer:
     """An HTTP/1.1 server on a loopback port: answers every request with ``BODY``; records each request's
     first line and headers, and how many connections it accepted. ``close_after`` closes each connection
     after that many answers, without saying so (as a server whose idle keep-alive timeout passed). With
-    ``cut_short``, HEAD states no length and GET announces ``BODY``'s, sends half of it and closes."""
+    ``cut_short``, HEAD states no length and GET announces ``BODY``'s, sends half of it and closes. With
+    ``trickle_s``, the status line and headers go one byte at a time, that far apart: never a stall, for seconds."""
 
     close_after: int | None = None
     cut_short: bool = False
     stall_s: float = 0.0  # wait this long before answering
+    trickle_s: float = 0.0  # send the answer's head a byte at a time, this far apart (42 bytes)
     tls: ssl.SSLContext | None = None  # serve HTTPS with this context
     requests: list[tuple[str, dict[str, str]]] = field(default_factory=list)
     connections: int = 0
@@ -79,8 +81,17 @@ class RawServer:
                     conn.sendall(b"HTTP/1.1 200 OK\r\n%sConnection: close\r\n\r\n%s" % (length, body))
                     return
                 body = b"" if head[0].startswith("HEAD") else BODY
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), body))
+                self._send_head(conn, b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(BODY))
+                conn.sendall(body)
                 answered += 1
+
+    def _send_head(self, conn: socket.socket, head: bytes) -> None:
+        if not self.trickle_s:
+            conn.sendall(head)
+            return
+        for at in range(len(head)):
+            conn.sendall(head[at : at + 1])
+            time.sleep(self.trickle_s)
 
     @staticmethod
     def _read_head(reader: BinaryIO) -> tuple[str, dict[str, str]] | None:
@@ -261,6 +272,31 @@ def test_a_server_that_does_not_answer_is_a_timeout(transport: Transport) -> Non
         with pytest.raises(OSError) as caught:
             transport.request("GET", f"{server.url}/slow", {}, read_timeout_s=0.3)
         assert failure_kind(caught.value) == "timeout" and time.monotonic() - started < 1.5
+    finally:
+        server.stop()
+
+
+def test_abort_ends_a_request_whose_headers_trickle_in_and_every_later_one(transport: Transport) -> None:
+    server = RawServer(trickle_s=0.25).start()  # its head would take 10 s, no read waiting 5 s for a byte
+    failed: list[BaseException] = []
+
+    def wait_for_the_answer() -> None:
+        try:
+            transport.request("GET", f"{server.url}/trickle", {}, read_timeout_s=5)
+        except NETWORK_ERRORS as exc:
+            failed.append(exc)
+
+    waiting = threading.Thread(target=wait_for_the_answer)
+    try:
+        waiting.start()
+        time.sleep(0.6)  # a few bytes of the status line are in
+        aborted = time.monotonic()
+        transport.abort()
+        waiting.join(5)
+        assert not waiting.is_alive() and time.monotonic() - aborted < 1 and len(failed) == 1
+        with pytest.raises(ConnectionAbortedError):
+            get(transport, f"{server.url}/after")
+        assert server.connections == 1  # the later request was refused before it connected
     finally:
         server.stop()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.loader.test_sources_transport import BODY, RawServer
 from tests.support.storage import Fault, HttpFileServer, MotoS3, make_tar, make_zip, tree_bytes
 from tritonshare.common.errors import InsufficientSpace, TransientSourceError, UnsafeArchive
 from tritonshare.loader.download import DownloadOptions
@@ -122,6 +123,21 @@ def test_a_trickle_that_never_stalls_ends_at_the_download_deadline(
     with pytest.raises(TransientSourceError, match=r"not downloaded within 1 s"):
         fetch_and_unpack(source, obj, dest, options)
     assert time.monotonic() - started < 4
+
+
+def test_headers_that_trickle_in_end_at_the_download_deadline(dest: Path) -> None:
+    store = RawServer(trickle_s=0.25).start()  # a header byte every 0.25 s: 10 s for the head, never a stall
+    obj = RemoteObject(key=f"{store.url}/model.tar", relpath="model.tar", size=len(BODY))
+    options = DownloadOptions(retries=0, stall_timeout_s=5, download_timeout_s=1)
+    started = time.monotonic()
+    try:
+        with closing(HttpSource(obj.key)) as source, pytest.raises(TransientSourceError) as info:
+            fetch_and_unpack(source, obj, dest, options)
+    finally:
+        store.stop()
+    assert time.monotonic() - started < 3  # (it took the 10 s the head took to come)
+    assert re.fullmatch(r".*/model.tar: not downloaded within 1 s \(0.0 MiB so far\) — raise --download-timeout-s .*",
+                        str(info.value))  # fmt: skip
 
 
 def evil_tar(path: Path) -> Path:

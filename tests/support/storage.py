@@ -6,6 +6,8 @@
 * :class:`GcsEmulator` — gcp-storage-emulator, in-process and in memory.
 * :class:`HttpFileServer` — an aiohttp file server whose answers can be made to fail on purpose
   (:class:`Fault`: a status, corrupted bytes, a stall), so error paths are driven by real HTTP.
+* :class:`RangeDropper` — a raw forwarder in front of any of them that drops the Range header: a store (or
+  a proxy) that ignores Range, with the real store's answers otherwise.
 
 Each server's ``env()`` is what a client process needs to reach it (``AWS_ENDPOINT_URL``,
 ``STORAGE_EMULATOR_HOST``...); each ``serve(folder)`` uploads a local folder and returns its URI.
@@ -20,6 +22,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tarfile
 import threading
@@ -188,6 +191,60 @@ class MotoS3(_S3Base):
         assert len(data) == size, "keep the size so only the checksum can tell"
         fake.value = data
         fake._etag = etag.strip('"')
+
+
+class RangeDropper:
+    """A forwarder on a loopback port in front of the server on ``upstream_port`` that drops each request's
+    Range header: a ranged GET gets 200 and the whole object, as from a store, or a proxy in front of one, that
+    ignores Range. Everything else is the real store's. One request per connection: it asks the store to close
+    after its answer (``Connection: close``) and relays the answer to its end. Records each request's line and
+    the Range it dropped ("" when there was none). Signed requests keep their signature over ``range``: only a
+    store that does not check signatures (moto) takes them."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.requests: list[tuple[str, str]] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def start(self) -> RangeDropper:
+        threading.Thread(target=self._accept, name="range-dropper", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._forward, args=(client,), daemon=True).start()
+
+    def _forward(self, client: socket.socket) -> None:
+        with client, client.makefile("rb") as reader:
+            line = reader.readline()
+            kept, dropped = [], ""
+            while (header := reader.readline()).strip():
+                name, _, value = header.decode("latin-1").partition(":")
+                if name.strip().lower() == "range":
+                    dropped = value.strip()
+                elif name.strip().lower() != "connection":
+                    kept.append(header)
+            if not line:
+                return
+            self.requests.append((line.decode("latin-1").strip(), dropped))
+            try:
+                with socket.create_connection(("127.0.0.1", self.upstream_port)) as upstream:
+                    upstream.sendall(line + b"".join(kept) + b"Connection: close\r\n\r\n")  # GET/HEAD: no body
+                    while data := upstream.recv(1 << 16):
+                        client.sendall(data)
+            except OSError:
+                pass  # the client hung up (a response it does not read to its end)
 
 
 def _die_with_parent() -> None:

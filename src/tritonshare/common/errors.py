@@ -10,6 +10,8 @@
     │   ├── InvalidModel                            layout or config.pbtxt is not a Triton model
     │   └── UnsafeArchive                           archive member escapes its folder or links out
     ├── TransientSourceError               exit 11  network/server trouble that outlived retries or the deadline
+    │   └── RangeIgnored                            a part's GET came back whole (the store ignores Range): the
+    │                                               download engine fetches the object whole instead
     ├── TritonLoadFailed                   exit 12  Triton marked the model UNAVAILABLE (carries Triton's reason)
     ├── ReadinessTimeout                   exit 13  the readiness deadline passed
     ├── InstallConflict                    exit 14  NAME is installed from a different source
@@ -89,6 +91,11 @@ class TransientSourceError(TritonshareError):
     """The source could not be read in time although it may exist: network, throttling, 5xx, stalls."""
 
     exit_code = ExitCode.SOURCE_TRANSIENT
+
+
+class RangeIgnored(TransientSourceError):
+    """The store answered a request for part of an object with the whole object (a 200 to a ranged GET): the
+    store, or a proxy in front of it, ignores Range. Not worth retrying; the object can still come whole."""
 
 
 class TritonLoadFailed(TritonshareError):

@@ -4,7 +4,8 @@
   largest objects start first so a big file does not finish last alone. Objects larger than two
   ``part_bytes`` are fetched as ranged parts by the same threads when the source can
   (:class:`~tritonshare.loader.sources.stream.StreamSource`): one connection to S3 carries ~100 MB/s, a
-  model file may be many GiB.
+  model file may be many GiB. A store that turns out to ignore Range (``RangeIgnored``) gets the object
+  fetched whole instead, as one never split.
 * One pass over the bytes: a stream source's bytes are read into one reused buffer per thread, written
   with ``pwrite`` and fed to the checksum from that same buffer; big objects are hashed along a frontier as
   their parts land (:mod:`tritonshare.loader.parts`). Memory stays at one buffer per thread.
@@ -12,8 +13,9 @@
   read, a size or checksum mismatch) is repeated after an exponential backoff with jitter, up to
   ``options.retries`` more times; a part resumes where it stopped; permanent errors stop the whole download.
 * Deadlines: each read is bounded by ``stall_timeout_s`` inside the source (kserve#5611), the whole
-  transfer by ``download_timeout_s``. On any failure the other transfers are cancelled and their threads
-  joined before the error is raised, so nothing writes into the folder afterwards.
+  transfer by ``download_timeout_s``. On any failure the other transfers are cancelled — a stream source's
+  requests aborted, so a worker waiting on a store that trickles bytes wakes too — and their threads joined
+  before the error is raised, so nothing writes into the folder afterwards.
 * Verified: each object's size and, where the store states one, its cheapest checksum
   (:mod:`tritonshare.loader.checksum`).
 * Progress (bytes, MiB/s) is logged every ``progress_interval_s``.
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, TypeVar
 from tritonshare.common.errors import (
     InsufficientSpace,
     InvalidModel,
+    RangeIgnored,
     TransientSourceError,
     TritonshareError,
     UnsafeArchive,
@@ -214,15 +217,19 @@ class _Transfer:
     def run(self, plan: list[tuple[RemoteObject, Path]]) -> DownloadStats:
         self.total = listed_bytes(obj for obj, _ in plan)
         pool: ThreadPoolExecutor | None = None
+        finished = False
         try:
             tasks = [task for obj, target in plan for task in self._tasks(obj, target)]
             workers = max(1, min(self.options.concurrency, len(tasks)))
             pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tritonshare-download")
             futures = [pool.submit(task) for task in tasks]
             self._wait(futures, len(plan))
+            finished = True
         finally:
             self.cancelled.set()  # a no-op after success; after a failure it stops the other workers
             self._abort_reads()  # a worker blocked on a stalled store wakes now, not after --stall-timeout-s
+            if not finished and self.stream is not None:
+                self.stream.abort()  # and one still waiting for an answer (headers trickling in: the deadline)
             for split in self.splits:  # their hashers stop within one window
                 split.close()
             if pool is not None:
@@ -292,7 +299,7 @@ class _Transfer:
         except OSError as exc:
             raise _write_error(target, exc) from exc
         if self.options.verify_checksums:
-            # (bounded below the stall timeout: a stop waits for this request, which no abort reaches)
+            # (bounded below the stall timeout: verifying the parts waits for this answer)
             ask = partial(source.whole_checksum, obj, min(self.options.stall_timeout_s, ASK_TIMEOUT_S))
             split = Split(obj, target, part_bytes, obj.checksum, self.hashing, ask)
         else:
@@ -311,16 +318,24 @@ class _Transfer:
         self._settled(lambda: with_retries(attempt, self.options, self._pause, self.rand))
         if not split.complete(index):
             return
+        if split.given_up:  # the store ignores Range: the object comes whole, now that no part writes any more
+            self._whole_instead(split)
+            return
         try:
             self._guarded(split.target, split.verify)
         except TransientSourceError as exc:  # the parts do not add up: fetch it again, in one piece
             logger.warning("%s — fetching it again in one piece", exc)
-            with self.lock:
-                self.bytes_done -= split.obj.size
-            self._object(split.obj, split.target)
+            self._whole_instead(split)
             return
         with self.lock:
             self.objects_done += 1
+
+    def _whole_instead(self, split: Split) -> None:
+        """Fetch ``split``'s object in one piece, over what its parts wrote, which no longer counts as done."""
+        split.close()  # its hasher stops reading the file before the file is truncated
+        with self.lock:
+            self.bytes_done -= split.landed_bytes()
+        self._object(split.obj, split.target)
 
     def _settled(self, call: Callable[[], None]) -> None:
         """``call``; when it fails for good, no other worker starts anything more (the main thread may be
@@ -357,7 +372,11 @@ class _Transfer:
             split.landed(index, count)
             self._progress(split.obj, count)
 
-        self._guarded(split.target, lambda: self._fetch_part(split, remaining, landed))
+        try:
+            self._guarded(split.target, lambda: self._fetch_part(split, remaining, landed))
+        except RangeIgnored:
+            split.give_up()  # the store cannot serve parts (the source has said so): the object comes whole
+            return
         if split.remaining(index) is not None:
             part = split.parts[index]
             raise TransientSourceError(

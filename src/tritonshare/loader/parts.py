@@ -21,6 +21,10 @@ fill in place in any order.
 
 A part that fails resumes where its bytes stopped (a ranged GET from there), so hashed bytes are never
 written again and the bytes already landed are not fetched twice.
+
+A store that ignores Range (a part's GET answered with the whole object) cannot serve parts at all: the split is
+given up (:meth:`Split.give_up`), the parts not yet fetched are skipped, and once the parts in flight have ended
+the object is fetched whole, as one that was never split — never while a part may still write into the file.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class Split:
         self._thread = threading.Thread(target=self._follow, name="tritonshare-hash", daemon=True)
         self._verifying = checksum is not None or ask is not None
         self._begun = False  # the hasher thread was started (guarded by _state)
+        self._given_up = False  # the store cannot serve parts: the object is to come whole
 
     def begin(self) -> None:
         """Start the hasher thread, once, when a first part is about to be fetched."""
@@ -96,11 +101,28 @@ class Split:
             self._thread.start()
 
     def remaining(self, index: int) -> Part | None:
-        """What part ``index`` still needs: all of it, or the rest after a failed attempt; None when done."""
+        """What part ``index`` still needs: all of it, or the rest after a failed attempt; None when done, or
+        when the split was given up."""
         part = self.parts[index]
         with self._state:
-            done = self._landed[index]
+            done = part.length if self._given_up else self._landed[index]
         return None if done >= part.length else Part(part.offset + done, part.length - done)
+
+    def give_up(self) -> None:
+        """No more parts: the store cannot serve them. The object is to be fetched whole (:attr:`given_up`) by
+        whoever completes the last part, the parts in flight having ended."""
+        with self._state:
+            self._given_up = True
+
+    @property
+    def given_up(self) -> bool:
+        with self._state:
+            return self._given_up
+
+    def landed_bytes(self) -> int:
+        """The bytes the parts have written, in all."""
+        with self._state:
+            return sum(self._landed)
 
     def landed(self, index: int, count: int) -> None:
         """``count`` more bytes of part ``index`` were written, right after those landed before."""
@@ -111,9 +133,11 @@ class Split:
                 self._state.notify()
 
     def complete(self, index: int) -> bool:
-        """Mark part ``index`` complete; True for the caller that completed the last part."""
+        """Mark part ``index`` complete (all its bytes landed, or the split given up); True for the caller that
+        completed the last part."""
         with self._state:
-            assert self._landed[index] == self.parts[index].length, "a part is complete when all its bytes landed"
+            landed = self._landed[index] == self.parts[index].length
+            assert landed or self._given_up, "a part is complete when all its bytes landed"
             self._left -= 1
             return self._left == 0
 

@@ -25,6 +25,8 @@ import random
 import shutil
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,23 +147,27 @@ class _Stream:
         return self.received
 
     def _receive(self, pipe: Path) -> _Outcome:
-        body = self.source.open(self.obj, self.options.stall_timeout_s)
-        # A trickle never stalls a read, and one read fills up to a MiB: at the deadline the body is aborted,
-        # so a read in progress ends then (it went on for hours at 20 bytes a second).
-        watchdog = threading.Timer(max(0.0, self.deadline - self.clock()), body.abort)
+        # A trickle never stalls a read, and one read fills up to a MiB: at the deadline the source's requests
+        # are aborted, so a read in progress ends then (it went on for hours at 20 bytes a second), and so does
+        # a request whose answer's headers trickle in.
+        watchdog = threading.Timer(max(0.0, self.deadline - self.clock()), self.source.abort)
         watchdog.daemon = True
         watchdog.start()
         try:
-            expected = cheapest(body.checksum, self.obj.checksum) if self.options.verify_checksums else None
-            hasher = hasher_for(expected.algorithm) if expected else None
-            outcome = self._pump(pipe, body, hasher)
-            if isinstance(outcome.error, _AT_ONCE):
-                raise outcome.error  # the archive itself is refused: the rest of it does not matter
-            while self._read(body, hasher):  # after the tar's end: the rest still counts for size and checksum
-                pass
+            with self._in_time():
+                body = self.source.open(self.obj, self.options.stall_timeout_s)
+            try:
+                expected = cheapest(body.checksum, self.obj.checksum) if self.options.verify_checksums else None
+                hasher = hasher_for(expected.algorithm) if expected else None
+                outcome = self._pump(pipe, body, hasher)
+                if isinstance(outcome.error, _AT_ONCE):
+                    raise outcome.error  # the archive itself is refused: the rest of it does not matter
+                while self._read(body, hasher):  # after the tar's end: the rest still counts for size and checksum
+                    pass
+            finally:
+                body.close()
         finally:
             watchdog.cancel()
-            body.close()
         check_size(self.obj, self.received)
         if expected is not None and hasher is not None:
             check(self.obj, expected, hasher)
@@ -203,17 +209,23 @@ class _Stream:
         buffer = self.buffer
         if self.clock() >= self.deadline:
             raise self._too_late()
-        try:
+        with self._in_time():
             count = body.readinto(buffer)
-        except TransientSourceError:
-            if self.clock() >= self.deadline:  # the watchdog's abort: say why
-                raise self._too_late() from None
-            raise
         if count and hasher is not None:
             hasher.update(buffer[:count])
         self.received += count
         self._log_progress()
         return count
+
+    @contextmanager
+    def _in_time(self) -> Iterator[None]:
+        """A transient failure past the deadline is the watchdog's abort: say why."""
+        try:
+            yield
+        except TransientSourceError:
+            if self.clock() >= self.deadline:
+                raise self._too_late() from None
+            raise
 
     def _too_late(self) -> TransientSourceError:
         return TransientSourceError(

@@ -146,6 +146,9 @@ class GcsSource:
     def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
         fetch_stream(self, obj, dest, progress, stall_timeout_s)
 
+    def abort(self) -> None:
+        self._transport.abort()
+
     def close(self) -> None:
         self._transport.close()
 

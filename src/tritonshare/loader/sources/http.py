@@ -115,6 +115,9 @@ class HttpSource:
     def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
         fetch_stream(self, obj, dest, progress, stall_timeout_s)
 
+    def abort(self) -> None:
+        self._transport.abort()
+
     def close(self) -> None:
         self._transport.close()
 

@@ -32,11 +32,17 @@ without a seek (its VFS checks the read against the file's hash), a second MD5 o
 which a range (a seek) turns off: 17 % less server CPU, 15 % less time for 200 files of 256 KiB here
 (``docs/loader-speed.md``). An object with a listed flexible checksum is fetched whole, with
 ``x-amz-checksum-mode``: a ranged answer would not carry the checksum.
+
+A store that ignores Range (some S3-compatible servers, or a proxy in front of the store that drops the header)
+answers a part's GET with 200 and the whole object. That is said once, as a warning, and every part from then on
+raises :class:`~tritonshare.common.errors.RangeIgnored` without a request: the engine fetches each big object
+whole instead, one GET streamed to disk and verified as any whole object (against the listed ETag and size).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import threading
@@ -49,6 +55,7 @@ from typing import Literal
 from urllib.parse import quote, urlsplit
 
 from tritonshare.common.errors import (
+    RangeIgnored,
     SourceAccessDenied,
     SourceError,
     SourceNotFound,
@@ -68,6 +75,8 @@ from tritonshare.loader.sources.base import (
 from tritonshare.loader.sources.s3_auth import DEFAULT_REGION, DENIED_HINT, CredentialChain, Signer
 from tritonshare.loader.sources.stream import Body, Part, fetch_stream
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, transport_error
+
+logger = logging.getLogger(__name__)
 
 LIST_READ_TIMEOUT_S = 60.0
 MAX_LISTING_BYTES = 64 << 20  # one page of 1,000 keys is well under 1 MiB
@@ -146,6 +155,7 @@ class S3Source:
         self._endpoint: Endpoint | None = None
         self._lock = threading.Lock()
         self._flexible: set[str] = set()  # keys whose listing names a flexible checksum the engine can compute
+        self._ignores_range = False  # a part's GET got the whole object: parts are not asked for any more
 
     def list(self) -> Listing:
         return folder_or_object(self.uri, f"s3://{self.bucket}", self.key, self._list_folder, self._head)
@@ -157,9 +167,14 @@ class S3Source:
         signed = {"range": ranged.header} if ranged else {"x-amz-checksum-mode": "ENABLED"}
         if part:
             what += f" (bytes {part.offset}-{part.offset + part.length - 1})"
+            if self._ignores_range:  # known from an earlier part: no request
+                raise RangeIgnored(f"{what}: the store ignores the Range header")
         response = self._request("GET", obj.key, {}, signed, pinned, stall_timeout_s, what)
         if ranged and not _answers_range(response, ranged, whole=part is None):
             response.close()
+            if response.status == 200:  # the whole object, for a part: the store ignores Range
+                self._ranges_ignored()
+                raise RangeIgnored(f"{what}: the store ignored the Range header (HTTP 200, the whole object)")
             raise TransientSourceError(f"{what}: the store ignored the Range header")
         if ranged and part is None and response.status != 200 and not _whole(response, obj.size):
             response.close()  # a store that does not honour If-Match: the size tells
@@ -177,7 +192,20 @@ class S3Source:
         return None if flexible or not obj.version or obj.size <= 0 else Part(0, obj.size)
 
     def ranged(self, obj: RemoteObject) -> bool:
-        return True
+        """In parts, unless the store turned out to ignore Range."""
+        return not self._ignores_range
+
+    def _ranges_ignored(self) -> None:
+        """Remember that the store ignores Range, and say so once."""
+        with self._lock:
+            first, self._ignores_range = not self._ignores_range, True
+        if first:
+            logger.warning(
+                "s3://%s: the store ignores the Range header (a ranged GET got the whole object) — fetching big "
+                "objects whole, one stream each, which is slower than in parallel parts; check the server at "
+                "AWS_ENDPOINT_URL, or a proxy in front of it that drops Range",
+                self.bucket,
+            )
 
     def whole_checksum(self, obj: RemoteObject, stall_timeout_s: float) -> Checksum | None:
         """The object's flexible checksum, from a HEAD, when its listing named one (else no request)."""
@@ -191,6 +219,9 @@ class S3Source:
 
     def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
         fetch_stream(self, obj, dest, progress, stall_timeout_s)
+
+    def abort(self) -> None:
+        self._transport.abort()
 
     def close(self) -> None:
         self._transport.close()

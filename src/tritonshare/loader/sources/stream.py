@@ -57,7 +57,8 @@ class StreamSource(Protocol):
 
     def open(self, obj: RemoteObject, stall_timeout_s: float, part: Part | None = None) -> Body:
         """The object's bytes, or only ``part`` of them (then the checksum is None). Raises as
-        ``Source.fetch`` does, and TransientSourceError when the store ignores the range."""
+        ``Source.fetch`` does; for a part, RangeIgnored when the store answers with the whole object (the engine
+        then fetches it whole), TransientSourceError when it answers with other bytes."""
         ...
 
     def ranged(self, obj: RemoteObject) -> bool:
@@ -67,6 +68,11 @@ class StreamSource(Protocol):
     def whole_checksum(self, obj: RemoteObject, stall_timeout_s: float) -> Checksum | None:
         """A checksum of the whole object that neither the listing nor a ranged answer carries, when the store
         keeps one (S3's flexible checksums: one more request); None otherwise, without a request."""
+        ...
+
+    def abort(self) -> None:
+        """From another thread, when the download stops: every request in progress ends now (even one whose
+        answer's headers trickle in, which no read timeout ends), and every later one fails at once."""
         ...
 
 

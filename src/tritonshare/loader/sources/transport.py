@@ -11,7 +11,9 @@ kernel with no copy in Python.
 * A request on a reused connection that the server had already closed (an idle keep-alive timeout) is sent
   again once on a fresh connection: only GET and HEAD are sent, both idempotent.
 * ``connect_timeout_s`` bounds the TCP/TLS handshake; the per-request ``read_timeout_s`` bounds every later
-  read, which makes it the stall timeout (kserve#5611).
+  read, which makes it the stall timeout (kserve#5611). A store that trickles bytes never trips it, not even
+  while its answer's headers come in: :meth:`Transport.abort` ends every request at once, for a download
+  that stops (its deadline passed, another object failed, a signal).
 * Proxies from ``HTTPS_PROXY``/``HTTP_PROXY``/``NO_PROXY`` (as ``urllib`` reads them): ``https://`` through a
   CONNECT tunnel, ``http://`` in absolute form.
 
@@ -22,6 +24,7 @@ advice, using :func:`failure_kind` to tell a timeout from a refused connection o
 from __future__ import annotations
 
 import base64
+import errno
 import http.client
 import socket
 import ssl
@@ -122,14 +125,8 @@ class Response:
             self.close()
 
     def abort(self) -> None:
-        """Wake a thread blocked reading this response (another thread's call): shut the socket down, which
-        a read in progress sees at once, where closing the descriptor would leave it blocked."""
-        sock = self._connection.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already closed or reset: nothing is blocked on it
+        """Wake a thread blocked reading this response (another thread's call)."""
+        _shut_down(self._connection)
 
     def close(self) -> None:
         if not self._raw.isclosed():
@@ -189,6 +186,7 @@ class Transport:
         self._lock = threading.Lock()
         self._opened: list[http.client.HTTPConnection] = []
         self._tls: ssl.SSLContext | None = None
+        self._aborted = False  # abort() was called: every request fails (guarded by _lock)
 
     def request(
         self, method: Literal["GET", "HEAD"], url: str, headers: Mapping[str, str], *, read_timeout_s: float
@@ -214,6 +212,17 @@ class Transport:
             # the server had closed this idle connection: once more on a new one
             return self._send(route.connection, method, target, headers, read_timeout_s)
 
+    def abort(self) -> None:
+        """From another thread, when the download stops: end every request in progress now — one still waiting
+        for its answer's headers as well as one whose body is being read — and make every later one fail at
+        once (``ConnectionAbortedError``), on this transport for good. ``read_timeout_s`` cannot do it: a store
+        that sends a byte now and then never lets a read time out."""
+        with self._lock:
+            self._aborted = True
+            opened = list(self._opened)
+        for connection in opened:
+            _shut_down(connection)
+
     def close(self) -> None:
         """Close every connection any thread opened."""
         with self._lock:
@@ -230,14 +239,21 @@ class Transport:
         read_timeout_s: float,
     ) -> Response:
         try:
+            self._refuse_if_aborted()
             if connection.sock is None:
                 connection.connect()
+                self._refuse_if_aborted()  # an abort() while this connected found no socket to shut down
             connection.sock.settimeout(read_timeout_s)
             connection.request(method, target, headers=dict(headers))
             return Response(connection.getresponse(), connection)
         except BaseException:
             connection.close()
             raise
+
+    def _refuse_if_aborted(self) -> None:
+        with self._lock:
+            if self._aborted:
+                raise ConnectionAbortedError(errno.ECONNABORTED, "the download was stopped")
 
     def _route(self, origin: Origin) -> _Route:
         pool: dict[Origin, _Route] | None = getattr(self._local, "pool", None)
@@ -278,6 +294,17 @@ class Transport:
             if self._tls is None:
                 self._tls = ssl.create_default_context(cafile=self._ca_file)
             return self._tls
+
+
+def _shut_down(connection: http.client.HTTPConnection) -> None:
+    """Shut ``connection``'s socket down, which a read blocked on it in another thread sees at once (closing the
+    descriptor would leave it blocked); the connection is closed by its own thread."""
+    sock = connection.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected, already closed or reset: nothing is blocked on it
 
 
 def _proxy_authorization(proxy: str) -> str:
