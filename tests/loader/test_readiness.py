@@ -17,7 +17,7 @@ from tritonshare.common.layout import NodeLayout
 from tritonshare.common.repository import discard, move_out
 from tritonshare.common.triton import ModelState, TritonClient
 from tritonshare.loader.install import Withdrawal, withdraw
-from tritonshare.loader.readiness import PollWaiter, load_explicitly, look, wait_live, wait_polled
+from tritonshare.loader.readiness import PollWaiter, load_explicitly, look, wait_live, wait_polled, wait_unserved
 from tritonshare.loader.run import run
 from tritonshare.loader.settings import LoaderSettings
 
@@ -196,3 +196,22 @@ def test_run_in_explicit_mode_publishes_then_loads(
                           triton_url=server.url, mode="explicit", timeout_s=60, termination_log=None)  # fmt: skip
     assert run(conf) == ExitCode.OK
     assert TritonClient(server.url).model_ready("via-run")
+
+
+def test_before_publishing_the_wait_for_an_earlier_name_ends_at_its_deadline_or_a_new_folder(
+    explicit_triton: tuple[TritonServer, NodeLayout], model_name: str
+) -> None:
+    """Explicit mode serves a model whose folder is gone until told otherwise: an earlier NAME that Triton keeps
+    serving holds a poll-mode publish until the deadline; another loader's folder of NAME ends the wait at once."""
+    server, layout = explicit_triton
+    folder = publish_model(layout, model_name)
+    client = TritonClient(server.url)
+    load_explicitly(client, model_name, timeout_s=60)
+    take_out(layout, model_name)  # Triton is not told: it serves the earlier NAME on
+    started = time.monotonic()
+    with pytest.raises(ReadinessTimeout, match=rf"Triton still serves an earlier {model_name} 0\.\d s after"):
+        wait_unserved(client, model_name, folder, timeout_s=0.5)
+    assert 0.5 <= time.monotonic() - started < 5
+    publish_model(layout, model_name)
+    wait_unserved(client, model_name, folder, timeout_s=60)  # returns: install() sorts out whose folder it is
+    assert client.unload(model_name).status == 200

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from tests.support.install import wait_model_ready
+from tests.support.install import model_ready, wait_model_ready
 from tests.support.models import BROKEN_MODEL, IDENTITY_MODEL, write_model
 from tests.support.ports import free_port
 from tests.support.storage import make_tar
@@ -152,6 +152,21 @@ def test_a_name_whose_pods_are_gone_is_taken_over_by_a_new_source(
     assert [lease.holder.uid for lease in LeaseStore(layout.leases).leases(model_name)] == [POD_B.uid]
     infer_identity(triton, model_name)
     LeaseStore(layout.leases).forget(model_name, POD_B)
+
+
+def test_a_take_over_publishes_only_once_triton_stops_serving_the_old_install(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
+) -> None:
+    """Triton serves the old install until its next poll after its folder left: a folder published before then
+    was answered "ready" by the old model (exit 0 at once for a broken model Triton never loaded)."""
+    cleanup.append(model_name)
+    assert run(settings(layout, triton, write_model(tmp_path / "a"), model_name, holder=POD_A)) == ExitCode.OK
+    LeaseStore(layout.leases, clock=lambda: time.time() - 660).acquire(model_name, POD_A)  # killed 11 min ago
+    conf = settings(layout, triton, write_model(tmp_path / "b", model_py=BROKEN_MODEL), model_name, holder=POD_B)
+    with pytest.raises(TritonLoadFailed, match="this model refuses to load"):
+        run(conf)
+    assert not layout.model_dir(model_name).exists()  # the old install taken over, the broken one taken back out
+    assert not model_ready(triton, model_name)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from tritonshare.common.errors import ReadinessTimeout, TritonLoadFailed, TritonUnavailable, clip
@@ -148,6 +149,52 @@ def load_explicitly(
         raise TritonLoadFailed(f"Triton failed to load {name}: {reply.error_text()}")
     if not client.model_ready(name):
         raise TritonLoadFailed(f"Triton accepted the load of {name} but does not report it ready")
+
+
+def wait_unserved(
+    client: TritonClient,
+    name: str,
+    folder: Path,
+    *,
+    timeout_s: float,
+    interval_s: float = POLL_INTERVAL_S,
+    clock: Clock = time.monotonic,
+    sleep: Sleep = time.sleep,
+) -> None:
+    """Before publishing NAME in poll mode: return once Triton no longer serves an earlier NAME whose folder
+    left the repository (taken over, or unloaded by the pod this one replaces). Triton serves it until its
+    next poll, and a folder published before then is never loaded as new: Triton reloads it in place, and
+    until then answers "ready" for the old model — a load that exits 0 at once for a model Triton never
+    loaded (a broken one stays unloaded, Triton serving the old one). Returns as soon as ``folder`` exists:
+    another loader of NAME published, which install() resolves (reuse or conflict)."""
+    started = clock()
+    while not folder.exists() and _serves(client, name):
+        if clock() - started >= timeout_s:
+            raise ReadinessTimeout(
+                f"Triton still serves an earlier {name} {clock() - started:.1f} s after its folder left the "
+                "repository: its polling may be held up by another model's load — raise --timeout-s, or check "
+                "Triton's log"
+            )
+        sleep(interval_s)
+
+
+def _serves(client: TritonClient, name: str) -> bool:
+    try:
+        return client.model_ready(name)
+    except TritonUnavailable:
+        return False  # a Triton that comes back loads what the repository holds, not what it served
+
+
+def nothing_to_wait_for(client: TritonClient, name: str, folder: Path, *, timeout_s: float) -> None:
+    """Before publishing in explicit mode: the load call after it loads the new folder, whatever was served."""
+
+
+class BeforePublish(Protocol):
+    def __call__(self, client: TritonClient, name: str, folder: Path, *, timeout_s: float) -> None: ...
+
+
+# --mode → what must hold before a folder is published as NAME
+BEFORE_PUBLISH: dict[str, BeforePublish] = {"poll": wait_unserved, "explicit": nothing_to_wait_for}
 
 
 class Readiness(Protocol):

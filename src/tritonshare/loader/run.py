@@ -44,7 +44,7 @@ from tritonshare.loader import sources
 from tritonshare.loader.download import MIB, DownloadOptions, download_all, list_objects, listed_bytes
 from tritonshare.loader.install import Installed, Withdrawal, existing, install, listing_digest, take_over, withdraw
 from tritonshare.loader.model import prepare
-from tritonshare.loader.readiness import MODES, wait_live
+from tritonshare.loader.readiness import BEFORE_PUBLISH, MODES, wait_live
 from tritonshare.loader.settings import LoaderSettings
 from tritonshare.loader.sources.base import RemoteObject, Source, display_uri, query_identity
 
@@ -159,7 +159,7 @@ def _fetch_and_install(
             return Installed(settings.layout.model_dir(settings.name), reused=True)
         with timings.phase("space"):
             check_space(settings.layout.staging, listed_bytes(objects), free, record.source)
-        return _stage(settings, source, objects, record, options, timings, free)
+        return _stage(settings, client, source, objects, record, options, timings, free)
     finally:
         source.close()
 
@@ -177,6 +177,7 @@ def _existing_or_free(settings: LoaderSettings, client: TritonClient, record: In
 
 def _stage(
     settings: LoaderSettings,
+    client: TritonClient,
     source: Source,
     objects: list[RemoteObject],
     record: InstallRecord,
@@ -184,7 +185,8 @@ def _stage(
     timings: Timings,
     free: DiskFree,
 ) -> Installed:
-    """Fetch into a fresh staging folder, check, publish; the folder goes whatever happens."""
+    """Fetch into a fresh staging folder, check, publish (in poll mode once Triton no longer serves an earlier
+    NAME: :func:`readiness.wait_unserved`); the folder goes whatever happens."""
     workspace = new_staging_dir(settings.layout, settings.name)
     try:
         top = _fetch(_Fetch(source, objects, options, workspace, free, timings))
@@ -196,6 +198,8 @@ def _stage(
             with timings.phase("gpu"):
                 check_gpu_memory(settings, record.source)
         with timings.phase("publish"):
+            before = BEFORE_PUBLISH[settings.mode]
+            before(client, settings.name, settings.layout.model_dir(settings.name), timeout_s=settings.timeout_s)
             return install(settings.layout, root, record)
     finally:
         discard(workspace)
