@@ -135,6 +135,17 @@ def test_forget_drops_only_the_holders_own_lease(store: LeaseStore) -> None:
     assert [lease.holder for lease in store.leases("resnet")] == [POD_B]
 
 
+def test_give_up_leaves_the_lease_expired_unless_another_holder_uses_the_model(store: LeaseStore) -> None:
+    store.acquire("resnet", POD_A)
+    store.give_up("resnet", POD_A)
+    assert [lease.holder.uid for lease in store.expired("resnet")] == [POD_A.uid] and store.fresh("resnet") == []
+    assert store.expired("resnet")[0].given_up
+    store.acquire("llm", POD_A)
+    store.acquire("llm", POD_B)
+    store.give_up("llm", POD_A)
+    assert [lease.holder.uid for lease in store.leases("llm")] == [POD_B.uid]  # B uses it: A's lease just goes
+
+
 def test_an_unreadable_lease_still_counts_by_its_mtime(store: LeaseStore, clock: Clock) -> None:
     folder = store.root / "resnet"
     folder.mkdir(parents=True)

@@ -18,12 +18,13 @@ from typing import Any
 
 import pytest
 
-from tests.support.models import write_model
+from tests.support.models import SLOW_START_MODEL, write_model
 from tests.support.storage import Fault, HttpFileServer, make_tar, make_zip
 from tests.support.triton import REPO_ROOT, TritonServer
 from tritonshare.common.errors import ExitCode
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import Holder, LeaseStore
+from tritonshare.common.repository import read_record
 from tritonshare.common.triton import TritonClient
 
 pytestmark = [pytest.mark.triton, pytest.mark.storage]
@@ -178,3 +179,29 @@ def test_sigterm_while_download_threads_wait_on_a_stalled_store_still_cleans_up(
     assert loader.termination_log.read_text().startswith("stopped by SIGTERM")
     assert staged(layout, model_name) == []
     assert not loader.holds_lease()
+
+
+def test_sigterm_while_triton_loads_leaves_the_install_abandoned_to_the_next_pods_loader(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
+) -> None:
+    """A pod deleted while Triton loads its model (a rollout to a new SOURCE, typically): the folder must stay
+    (removing it mid-load hangs Triton's polling), and the new pod's loader must take it over once Triton has
+    loaded it — not refuse it as an install in use (exit 14) for a TTL because it has no lease and is recent."""
+    old = write_model(tmp_path / "v1", model_py=SLOW_START_MODEL)
+    first = Loader(layout, triton.url, str(old), model_name, f"pod-{uuid.uuid4().hex[:8]}", tmp_path)
+    cleanup.append(model_name)
+    proc = first.start()
+    client = TritonClient(triton.url)
+    wait_for(lambda: any(s.state == "LOADING" for s in client.model_states(model_name)), "Triton to load it", 60)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143, first.stderr.read_text()
+    assert first.termination_log.read_text().startswith("stopped by SIGTERM while waiting for Triton to load")
+    assert layout.model_dir(model_name).is_dir() and staged(layout, model_name) == []
+    assert LeaseStore(layout.leases).expired(model_name) == LeaseStore(layout.leases).leases(model_name) != []
+
+    wait_for(lambda: client.model_ready(model_name), "Triton to finish the load it had begun", 60)
+    new = write_model(tmp_path / "v2")
+    second = Loader(layout, triton.url, str(new), model_name, f"pod-{uuid.uuid4().hex[:8]}", tmp_path)
+    assert second.start().wait(timeout=90) == ExitCode.OK, second.stderr.read_text()
+    assert read_record(layout.model_dir(model_name)).source == str(new)  # type: ignore[union-attr]
+    assert [lease.holder.uid for lease in LeaseStore(layout.leases).leases(model_name)] == [second.pod_uid]

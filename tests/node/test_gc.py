@@ -478,6 +478,20 @@ def test_a_small_step_of_the_wall_clock_holds_nothing(
     assert "stepped" not in gc_log.text
 
 
+def test_a_model_whose_loader_gave_it_up_goes_at_the_next_pass(
+    triton: TritonServer, bare_layout: NodeLayout, clock: Clock, gc_log: pytest.LogCaptureFixture
+) -> None:
+    """A loader stopped while Triton loaded what it published expires its lease: no TTL to wait."""
+    write_model(bare_layout.model_dir("stopped"))
+    collector = Collector(
+        GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic
+    )
+    collector.store.acquire("stopped", POD_A)
+    collector.store.give_up("stopped", POD_A)
+    assert removed(collector) == [("model", "stopped")]
+    assert f"every lease expired: {POD_A} gave the model up (its load failed or was stopped)" in gc_log.text
+
+
 def test_staging_is_cleaned_first_so_a_full_disk_is_freed_even_when_the_models_step_fails(
     bare_layout: NodeLayout, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

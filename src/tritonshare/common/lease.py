@@ -88,6 +88,11 @@ class Lease:
     def idle_s(self, now: float) -> float:
         return now - self.renewed_at
 
+    @property
+    def given_up(self) -> bool:
+        """Expired by its holder (:meth:`LeaseStore.give_up`), not by missed heartbeats."""
+        return self.renewed_at <= 0
+
 
 class Release(enum.Enum):
     """What :meth:`LeaseStore.release` found, and so whether the model folder went."""
@@ -156,6 +161,19 @@ class LeaseStore:
         except FileNotFoundError:
             return False
         return True
+
+    def give_up(self, name: str, holder: Holder) -> None:
+        """``holder`` no longer uses NAME, and leaves what it installed there: if another holder's lease is
+        fresh, drop ``holder``'s (that pod uses the install); else leave it expired, its heartbeat set to the
+        epoch, so that the install is abandoned at once (with no lease at all, a recent install is kept a TTL,
+        as one made by hand is)."""
+        with self.lock(name):
+            if any(lease.holder.uid != holder.uid for lease in self.fresh(name)):
+                self.forget(name, holder)
+                return
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(self.path(name, holder), (0, 0))
+        logger.info("%s gives %s up: its lease is left expired, for gc or the next pod's loader", holder, name)
 
     def leases(self, name: str) -> list[Lease]:
         folder = self.root / check_model_name(name)

@@ -112,28 +112,43 @@ def run(
     timings = Timings()
     with timings.phase("triton"):
         wait_live(client, timeout_s=settings.timeout_s, interval_s=settings.poll_interval_s)
-    with holding_lease(settings):
+    with holding_lease(settings) as held:
         installed = _fetch_and_install(settings, client, timings, disk_free, open_source)
+        held.published = not installed.reused
         _await_ready(settings, client, installed, timings)
     logger.info("%s is ready (%s): %s", settings.name, "reused" if installed.reused else "installed", timings.summary())
     return ExitCode.OK
 
 
+@dataclass
+class Held:
+    """What the lease of a load covers: whether this loader published repository/NAME."""
+
+    published: bool = False
+
+
 @contextmanager
-def holding_lease(settings: LoaderSettings) -> Iterator[None]:
+def holding_lease(settings: LoaderSettings) -> Iterator[Held]:
     """This pod's lease on NAME, taken before repository/NAME is looked at (so gc cannot remove a folder this
-    loader is about to reuse), kept fresh while downloading and waiting, dropped if the load fails; on
-    success it stays, and the proxy keeps it fresh from then on."""
+    loader is about to reuse), kept fresh while downloading and waiting; on success it stays, and the proxy
+    keeps it fresh from then on. If the load fails or is stopped, the lease is dropped — or, when a folder
+    this loader published stays (Triton was loading it) and no other pod uses it, expired: what stays is then
+    abandoned at once to gc and to the next pod's loader (:func:`install.take_over`), where with no lease at
+    all a folder this recent would be kept for a TTL, as one installed by hand is."""
+    held = Held()
     if settings.holder is None:
-        yield
+        yield held
         return
     leases = LeaseStore(settings.layout.leases, ttl_s=settings.lease_ttl_s)
     lease = leases.acquire(settings.name, settings.holder, source=display_uri(settings.source))
     try:
         with Heartbeat(leases, lease):
-            yield
+            yield held
     except BaseException:
-        leases.forget(settings.name, settings.holder)
+        if held.published and settings.layout.model_dir(settings.name).exists():
+            leases.give_up(settings.name, settings.holder)
+        else:
+            leases.forget(settings.name, settings.holder)
         raise
 
 

@@ -182,6 +182,8 @@ class Collector:
             idle = last.idle_s(now)
             if idle <= ttl:
                 return None
+            if last.given_up:
+                return f"every lease expired: {last.holder} gave the model up (its load failed or was stopped)"
             return f"every lease expired: the last heartbeat came {idle:.0f}s ago from {last.holder} (ttl {ttl:.0f}s)"
         installed = _installed_at(self.settings.layout.model_dir(name))
         if installed is None or now - installed <= ttl:
