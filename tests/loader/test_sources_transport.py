@@ -243,6 +243,10 @@ def test_each_thread_has_its_own_connection_and_close_ends_them_all(server: RawS
     assert server.connections == 3
     transport.close()
     assert get(transport, f"{server.url}/after") == BODY  # a closed transport opens anew when asked again
+    transport.close()
+    assert get(transport, f"{server.url}/again") == BODY  # this thread's connection, reopened once more
+    transport.close()  # ... which close() must still reach
+    assert get(transport, f"{server.url}/last") == BODY and server.connections == 3 + 3
 
 
 def test_the_host_header_and_extra_headers_are_sent(server: RawServer, transport: Transport) -> None:

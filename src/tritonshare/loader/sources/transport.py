@@ -224,9 +224,10 @@ class Transport:
             _shut_down(connection)
 
     def close(self) -> None:
-        """Close every connection any thread opened."""
+        """Close every connection any thread opened. They stay listed: a thread that asks again reconnects the
+        same connection object, which a later close() or abort() must still reach."""
         with self._lock:
-            opened, self._opened = self._opened, []
+            opened = list(self._opened)
         for connection in opened:
             connection.close()
 
