@@ -85,6 +85,22 @@ def test_triton_probes_ask_live_never_ready(builds: dict[str, Build]) -> None:
             assert port_number(triton, get["port"]) == http_port, f"{name}: {probe} is not on Triton's HTTP port"
 
 
+# Triton answers /v2/health/live only once every model in its repository has loaded (up to 4 at a time,
+# --model-load-thread-count; measured with Triton 2.51: six Python models whose initialize() sleeps 10 s → live
+# after 22.9 s). A node's LLMs or TensorRT engines can take many minutes in all: a startup probe that gives up
+# sooner restarts Triton mid-load, forever, and every tenant of the node stays down.
+TRITON_START_BUDGET_S = 3600
+
+
+def test_triton_startup_probe_waits_for_a_whole_repository_to_load(builds: dict[str, Build]) -> None:
+    for name, daemonset in tritons(builds):
+        probe = triton_container(daemonset).spec["startupProbe"]
+        budget = probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+        assert budget >= TRITON_START_BUDGET_S, (
+            f"{name}: Triton is killed {budget}s into its start-up, before a node's models may all have loaded"
+        )
+
+
 def test_triton_reads_the_node_folder_and_owns_a_gpu(builds: dict[str, Build]) -> None:
     for name, daemonset in tritons(builds):
         triton = triton_container(daemonset)
