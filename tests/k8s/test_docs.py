@@ -1,9 +1,11 @@
 """The manifests printed in docs/kubernetes.md are meant to be pasted: they must be valid Kubernetes 1.35
-objects, and the Deployment snippet must keep the same contract as k8s/base/model."""
+objects, and the Deployment snippet must keep the same contract as k8s/base/model. The README's shorter pod
+template too, where it shows a part of that contract."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -11,17 +13,37 @@ import pytest
 import yaml
 
 from tests.k8s.hardening import check_bounded, check_hardened
-from tests.k8s.kustomize import KUBERNETES_VERSION, POD_UID, Build, container, containers, pod_labels, pod_spec
+from tests.k8s.kustomize import (
+    KUBERNETES_VERSION,
+    POD_UID,
+    Build,
+    container,
+    containers,
+    pod_labels,
+    pod_spec,
+    selector_matches,
+)
 from tests.k8s.workloads import IDENTITY, cli_params
 from tests.support.triton import REPO_ROOT
 from tritonshare import __version__
 
 DOC = REPO_ROOT / "docs" / "kubernetes.md"
+README = REPO_ROOT / "README.md"
+
+
+def _yaml_blocks(path: Path) -> list[Any]:
+    blocks = re.findall(r"```yaml\n(.*?)```", path.read_text(), re.DOTALL)
+    return [doc for block in blocks for doc in yaml.safe_load_all(block) if doc]
 
 
 def _documented_objects() -> list[dict[str, Any]]:
-    blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(), re.DOTALL)
-    return [doc for block in blocks for doc in yaml.safe_load_all(block) if doc]
+    return _yaml_blocks(DOC)
+
+
+def _readme_pod_template() -> dict[str, Any]:
+    """The README's snippet: a Deployment's pod template (metadata and spec), not a whole object."""
+    (template,) = [doc for doc in _yaml_blocks(README) if set(doc) == {"metadata", "spec"}]
+    return dict(template)
 
 
 def test_documented_manifests_validate() -> None:
@@ -65,3 +87,13 @@ def test_documented_deployment_holds_leases_as_its_pod(monkeypatch: pytest.Monke
             assert c.env_value(var) == {"name": var, "valueFrom": {"fieldRef": {"fieldPath": field}}}, c.where
         params = cli_params(c, snippet, monkeypatch)
         assert params["pod_uid"] == POD_UID and params["name"] == "my_model", f"docs: {c.where}"
+
+
+def test_documented_pods_are_scraped_by_the_pod_monitor(builds: dict[str, Build]) -> None:
+    """Without the labels the PodMonitor selects on, Prometheus never scrapes the pod's proxy, and the
+    per-model HPA gets no metric."""
+    selector = builds["components/monitoring"].one("PodMonitor")["spec"]["selector"]
+    deployment = next(o for o in _documented_objects() if o["kind"] == "Deployment")
+    assert selector_matches(selector, pod_labels(deployment)), f"docs/kubernetes.md: {pod_labels(deployment)}"
+    readme = _readme_pod_template()["metadata"]["labels"]
+    assert selector_matches(selector, readme), f"README.md: pod labels {readme} miss the PodMonitor's {selector}"
