@@ -4,7 +4,9 @@ template too, where it shows a part of that contract."""
 
 from __future__ import annotations
 
+import copy
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.k8s.admission import refusals
 from tests.k8s.hardening import check_bounded, check_hardened
 from tests.k8s.kustomize import (
     KUBERNETES_VERSION,
@@ -23,7 +26,7 @@ from tests.k8s.kustomize import (
     pod_spec,
     selector_matches,
 )
-from tests.k8s.workloads import IDENTITY, cli_params
+from tests.k8s.workloads import IDENTITY, cli_params, models, tritons
 from tests.support.triton import REPO_ROOT
 from tritonshare import __version__
 
@@ -97,3 +100,66 @@ def test_documented_pods_are_scraped_by_the_pod_monitor(builds: dict[str, Build]
     assert selector_matches(selector, pod_labels(deployment)), f"docs/kubernetes.md: {pod_labels(deployment)}"
     readme = _readme_pod_template()["metadata"]["labels"]
     assert selector_matches(selector, readme), f"README.md: pod labels {readme} miss the PodMonitor's {selector}"
+
+
+# --- the admission policy of "Trust boundary" -------------------------------------------------------------
+
+Obj = dict[str, Any]
+MODELS_NAMESPACE: Obj = {"metadata": {"name": "ml-team", "labels": {"tritonshare.io/models": "allowed"}}}
+
+
+def _node_folder_policy() -> Obj:
+    return next(o for o in _documented_objects() if o["kind"] == "ValidatingAdmissionPolicy")
+
+
+def _pod(workload: Obj) -> Obj:
+    """The pod a workload's controller creates, as admission sees it."""
+    return copy.deepcopy({"metadata": workload["spec"]["template"]["metadata"], "spec": pod_spec(workload)})
+
+
+def _namespace_of(workload: Obj, b: Build) -> Obj:
+    name = workload["metadata"].get("namespace")
+    found = [o for o in b.of_kind("Namespace") if o["metadata"]["name"] == name]
+    return found[0] if found else MODELS_NAMESPACE
+
+
+def test_documented_admission_policy_admits_the_shipped_pods(builds: dict[str, Build]) -> None:
+    policy = _node_folder_policy()
+    documented = next(o for o in _documented_objects() if o["kind"] == "Deployment")
+    assert refusals(policy, _pod(documented), MODELS_NAMESPACE) == [], "docs: the policy refuses its own snippet"
+    for name, deployment in models(builds, overlays_only=True):
+        assert refusals(policy, _pod(deployment), _namespace_of(deployment, builds[name])) == [], name
+    for name, daemonset in tritons(builds):
+        namespace = {"metadata": {"name": daemonset["metadata"]["namespace"]}}
+        assert refusals(policy, _pod(daemonset), namespace) == [], f"{name}: the policy refuses Triton's pods"
+
+
+def test_documented_admission_policy_pins_what_a_node_folder_pod_runs() -> None:
+    """Checking the image alone limits nothing: the tritonshare image with the node folder mounted runs any
+    of its commands, or a shell, and `tritonshare unload --name <another tenant's model>` removes that model."""
+    policy = _node_folder_policy()
+    model = _pod(next(o for o in _documented_objects() if o["kind"] == "Deployment"))
+    image = model["spec"]["containers"][0]["image"]
+    unload = ["unload", "--name", "someone_elses_model"]
+    shell = ["sh", "-c", "rm -rf /var/lib/tritonshare/models/*"]
+    attempts: dict[str, Callable[[Obj], None]] = {
+        "a proxy running unload": lambda s: s["containers"][0].update(args=unload),
+        "a loader running gc": lambda s: s["initContainers"][0].update(args=["gc", "--once"]),
+        "a shell": lambda s: s["containers"][0].update(command=shell),
+        "the entrypoint given as command": lambda s: s["containers"][0].update(command=["tritonshare"], args=unload),
+        "a second container running unload": lambda s: s["containers"].append(
+            {"name": "x", "image": image, "args": unload}
+        ),
+        "a debug container": lambda s: s.update(ephemeralContainers=[{"name": "d", "image": image, "args": unload}]),
+        "another image": lambda s: s["containers"][0].update(image="busybox:1.37"),
+    }
+    for what, edit in attempts.items():
+        pod = copy.deepcopy(model)
+        edit(pod["spec"])
+        assert refusals(policy, pod, MODELS_NAMESPACE), f"docs: the node-folder policy admits {what}"
+    other_namespace = {"metadata": {"name": "other", "labels": {}}}
+    assert refusals(policy, model, other_namespace), "docs: the policy admits model pods in any namespace"
+    elsewhere = copy.deepcopy(model)
+    elsewhere["spec"]["volumes"] = [v for v in elsewhere["spec"]["volumes"] if "hostPath" not in v]
+    elsewhere["spec"]["containers"][0].update(command=shell, image="busybox:1.37")
+    assert refusals(policy, elsewhere, other_namespace) == [], "docs: the policy refuses pods without the folder"
