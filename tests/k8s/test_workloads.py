@@ -308,6 +308,23 @@ def test_one_replica_of_a_model_per_node_and_models_may_share(builds: dict[str, 
         assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0, f"{name}: surge would deadlock"
 
 
+def test_disruption_budgets_drain_a_model_one_pod_at_a_time(builds: dict[str, Build]) -> None:
+    budgets = [(n, p) for n, b in builds.items() if n.startswith("overlays/") for p in b.of_kind("PodDisruptionBudget")]
+    assert budgets, "no overlay shows a model's disruption budget (k8s/components/disruption-budget)"
+    for name, budget in budgets:
+        spec, meta = budget["spec"], budget["metadata"]
+        # minAvailable: 1 (or maxUnavailable: 0) on a one-replica model would block every drain of its node
+        assert "minAvailable" not in spec and spec.get("maxUnavailable") == 1, f"{name}: {meta['name']}: {spec}"
+        assert spec.get("unhealthyPodEvictionPolicy") == "AlwaysAllow", f"{name}: an unready pod would block drains"
+        guarded = [
+            d["metadata"]["name"]
+            for _, d in models({name: builds[name]})
+            if d["metadata"].get("namespace") == meta.get("namespace")
+            and selector_matches(spec["selector"], pod_labels(d))
+        ]
+        assert guarded == [meta["name"]], f"{name}: {meta['name']} guards the pods of {guarded}: one model's only"
+
+
 def test_model_pods_follow_the_triton_pod(builds: dict[str, Build]) -> None:
     daemonset = builds[PLATFORM].one("DaemonSet")
     for name, deployment in models(builds):
