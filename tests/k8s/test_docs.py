@@ -26,7 +26,7 @@ from tests.k8s.kustomize import (
     pod_spec,
     selector_matches,
 )
-from tests.k8s.workloads import IDENTITY, cli_params, models, tritons
+from tests.k8s.workloads import IDENTITY, SHUTDOWN_MARGIN_S, cli_params, models, tritons, worst_case_shutdown_s
 from tests.support.triton import REPO_ROOT
 from tritonshare import __version__
 
@@ -72,13 +72,23 @@ def test_documented_deployment_keeps_the_model_pod_contract() -> None:
     assert name is not None and "tritonshare.io/model" in name["valueFrom"]["fieldRef"]["fieldPath"]
     assert "tritonshare.io/model" in pod_labels(deployment)
     assert proxy.spec["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
-    assert pod_spec(deployment)["terminationGracePeriodSeconds"] > 5 + 30 + 30
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
     anti = pod_spec(deployment)["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert anti[0]["matchLabelKeys"] == ["tritonshare.io/model"]
     assert [v["hostPath"]["path"] for v in pod_spec(deployment)["volumes"] if "hostPath" in v] == [
         "/var/lib/tritonshare"
     ]
+
+
+def test_documented_grace_periods_outlast_the_proxy_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same worst case as k8s/base/model's (test_workloads.py), for both snippets."""
+    docs = next(o for o in _documented_objects() if o["kind"] == "Deployment")
+    readme = {"kind": "Deployment", "metadata": {"name": "readme"}, "spec": {"template": _readme_pod_template()}}
+    for where, deployment in (("docs/kubernetes.md", docs), ("README.md", readme)):
+        proxy = container(deployment, "proxy")
+        params = cli_params(proxy, Build(name=where, objects=[deployment], stderr=""), monkeypatch)
+        needed, grace = worst_case_shutdown_s(proxy, params), pod_spec(deployment)["terminationGracePeriodSeconds"]
+        assert grace >= needed + SHUTDOWN_MARGIN_S, f"{where}: grace {grace}s, the proxy's shutdown {needed:g}s"
 
 
 def test_documented_deployment_holds_leases_as_its_pod(monkeypatch: pytest.MonkeyPatch) -> None:

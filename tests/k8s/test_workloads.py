@@ -31,6 +31,7 @@ from tests.k8s.workloads import (
     MODEL_LABEL,
     NODE_ROOT,
     PLATFORM,
+    SHUTDOWN_MARGIN_S,
     TRITONSHARE_IMAGE,
     cli_params,
     flags,
@@ -40,6 +41,7 @@ from tests.k8s.workloads import (
     port_number,
     triton_container,
     tritons,
+    worst_case_shutdown_s,
 )
 from tests.support.triton import TritonServer, triton_available, triton_venv
 from tritonshare.cli import main as cli
@@ -274,13 +276,15 @@ def test_proxy_readiness_is_its_own_model(builds: dict[str, Build], monkeypatch:
 def test_grace_period_outlasts_the_drain_and_the_unload(
     builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Killed mid-unload, the proxy leaves the model loaded until its lease expires and gc removes it."""
     for name, deployment in models(builds, overlays_only=True):
         proxy = container(deployment, "proxy")
-        params = cli_params(proxy, builds[name], monkeypatch)
-        pre_stop = proxy.spec.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
-        needed = pre_stop + params["drain_timeout_s"] + (params["unload_timeout_s"] if params["unload_on_exit"] else 0)
+        needed = worst_case_shutdown_s(proxy, cli_params(proxy, builds[name], monkeypatch))
         grace = pod_spec(deployment)["terminationGracePeriodSeconds"]
-        assert grace > needed, f"{name}: grace {grace}s ≤ preStop {pre_stop}s + drain + unload = {needed}s"
+        assert grace >= needed + SHUTDOWN_MARGIN_S, (
+            f"{name}: terminationGracePeriodSeconds {grace} < {needed:g}s (preStop + drain + the unload's two "
+            f"waits and Triton calls, see worst_case_shutdown_s) + {SHUTDOWN_MARGIN_S}s for the delete and exit"
+        )
 
 
 def test_one_replica_of_a_model_per_node_and_models_may_share(builds: dict[str, Build]) -> None:
