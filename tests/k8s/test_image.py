@@ -34,7 +34,7 @@ from tests.k8s.dockerfile import (
     ignored,
     layer_key,
 )
-from tests.k8s.kustomize import Build, containers
+from tests.k8s.kustomize import Build, container, containers, environment
 from tests.support.triton import REPO_ROOT
 from tritonshare import __version__
 from tritonshare.cli import main as cli
@@ -125,9 +125,15 @@ class Image:
     env: dict[str, str]  # the runtime stage's environment, paths mapped to the scratch image
     entrypoint: list[str]
 
-    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def run(self, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """The entrypoint with ``args``, in the image's environment plus ``env`` (a container's)."""
         return subprocess.run(
-            [*self.entrypoint, *args], env=self.env, capture_output=True, text=True, timeout=60, check=False
+            [*self.entrypoint, *args],
+            env=self.env | (env or {}),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
         )
 
 
@@ -239,3 +245,29 @@ def test_image_runs_the_installed_package_not_the_source_tree(image: Image) -> N
     site = Path(module).parent.parent
     assert not [p.name for p in site.glob("__editable__*")], "an editable install, not the image's copy"
     assert os.access(image.venv / "bin" / "tritonshare", os.X_OK)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_image_reads_gpu_memory_for_advertise(image: Image, builds: dict[str, Build], tmp_path: Path) -> None:
+    """The advertise init container, as the gpu overlay runs it, reaches NVML in the image. Without
+    nvidia-ml-py it logs "not installed" and, being --best-effort, exits 0: the node never advertises
+    tritonshare.io/gpu-memory and every model pod requesting it stays Pending."""
+    python = image.venv / "bin" / "python"
+    probe = "import pynvml; print(pynvml.__file__)"
+    proc = subprocess.run([str(python), "-c", probe], env=image.env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, f"the image cannot import pynvml (nvidia-ml-py):\n{proc.stderr[-1000:]}"
+    assert Path(proc.stdout.strip()).is_relative_to(image.venv), proc.stdout
+
+    b = builds["overlays/gpu"]
+    advertise = container(b.one("DaemonSet"), "advertise")
+    message = tmp_path / "termination-log"
+    env = environment(advertise, b).values | {
+        "TRITONSHARE_KUBE_API_URL": "http://127.0.0.1:9",  # nothing listens: NVML is read before the API is asked
+        "TRITONSHARE_TERMINATION_LOG": str(message),
+    }
+    run = image.run(*advertise.spec["args"], env=env)
+    assert run.returncode == 0, f"advertise is --best-effort in the overlay:\n{run.stderr[-2000:]}"
+    reason = message.read_text()  # no GPU here: NVML's error; on a GPU machine: the API server's
+    assert reason.startswith("not advertised: "), reason
+    assert "nvidia-ml-py" not in reason, f"the image's advertise cannot read GPU memory: {reason}"

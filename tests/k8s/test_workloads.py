@@ -31,6 +31,7 @@ from tests.k8s.workloads import (
     MODEL_LABEL,
     NODE_ROOT,
     PLATFORM,
+    SHUTDOWN_MARGIN_S,
     TRITONSHARE_IMAGE,
     cli_params,
     flags,
@@ -40,6 +41,7 @@ from tests.k8s.workloads import (
     port_number,
     triton_container,
     tritons,
+    worst_case_shutdown_s,
 )
 from tests.support.triton import TritonServer, triton_available, triton_venv
 from tritonshare.cli import main as cli
@@ -83,6 +85,22 @@ def test_triton_probes_ask_live_never_ready(builds: dict[str, Build]) -> None:
             get = triton.spec[probe]["httpGet"]
             assert get["path"] == "/v2/health/live", f"{name}: {probe} asks {get['path']}"
             assert port_number(triton, get["port"]) == http_port, f"{name}: {probe} is not on Triton's HTTP port"
+
+
+# Triton answers /v2/health/live only once every model in its repository has loaded (up to 4 at a time,
+# --model-load-thread-count; measured with Triton 2.51: six Python models whose initialize() sleeps 10 s → live
+# after 22.9 s). A node's LLMs or TensorRT engines can take many minutes in all: a startup probe that gives up
+# sooner restarts Triton mid-load, forever, and every tenant of the node stays down.
+TRITON_START_BUDGET_S = 3600
+
+
+def test_triton_startup_probe_waits_for_a_whole_repository_to_load(builds: dict[str, Build]) -> None:
+    for name, daemonset in tritons(builds):
+        probe = triton_container(daemonset).spec["startupProbe"]
+        budget = probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+        assert budget >= TRITON_START_BUDGET_S, (
+            f"{name}: Triton is killed {budget}s into its start-up, before a node's models may all have loaded"
+        )
 
 
 def test_triton_reads_the_node_folder_and_owns_a_gpu(builds: dict[str, Build]) -> None:
@@ -258,13 +276,15 @@ def test_proxy_readiness_is_its_own_model(builds: dict[str, Build], monkeypatch:
 def test_grace_period_outlasts_the_drain_and_the_unload(
     builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Killed mid-unload, the proxy leaves the model loaded until its lease expires and gc removes it."""
     for name, deployment in models(builds, overlays_only=True):
         proxy = container(deployment, "proxy")
-        params = cli_params(proxy, builds[name], monkeypatch)
-        pre_stop = proxy.spec.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
-        needed = pre_stop + params["drain_timeout_s"] + (params["unload_timeout_s"] if params["unload_on_exit"] else 0)
+        needed = worst_case_shutdown_s(proxy, cli_params(proxy, builds[name], monkeypatch))
         grace = pod_spec(deployment)["terminationGracePeriodSeconds"]
-        assert grace > needed, f"{name}: grace {grace}s ≤ preStop {pre_stop}s + drain + unload = {needed}s"
+        assert grace >= needed + SHUTDOWN_MARGIN_S, (
+            f"{name}: terminationGracePeriodSeconds {grace} < {needed:g}s (preStop + drain + the unload's two "
+            f"waits and Triton calls, see worst_case_shutdown_s) + {SHUTDOWN_MARGIN_S}s for the delete and exit"
+        )
 
 
 def test_one_replica_of_a_model_per_node_and_models_may_share(builds: dict[str, Build]) -> None:
@@ -290,6 +310,23 @@ def test_one_replica_of_a_model_per_node_and_models_may_share(builds: dict[str, 
             if pod_labels(other)[MODEL_LABEL] != labels[MODEL_LABEL]:
                 assert not selector_matches(resolved, pod_labels(other)), f"{name}: keeps other models away"
         assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0, f"{name}: surge would deadlock"
+
+
+def test_disruption_budgets_drain_a_model_one_pod_at_a_time(builds: dict[str, Build]) -> None:
+    budgets = [(n, p) for n, b in builds.items() if n.startswith("overlays/") for p in b.of_kind("PodDisruptionBudget")]
+    assert budgets, "no overlay shows a model's disruption budget (k8s/components/disruption-budget)"
+    for name, budget in budgets:
+        spec, meta = budget["spec"], budget["metadata"]
+        # minAvailable: 1 (or maxUnavailable: 0) on a one-replica model would block every drain of its node
+        assert "minAvailable" not in spec and spec.get("maxUnavailable") == 1, f"{name}: {meta['name']}: {spec}"
+        assert spec.get("unhealthyPodEvictionPolicy") == "AlwaysAllow", f"{name}: an unready pod would block drains"
+        guarded = [
+            d["metadata"]["name"]
+            for _, d in models({name: builds[name]})
+            if d["metadata"].get("namespace") == meta.get("namespace")
+            and selector_matches(spec["selector"], pod_labels(d))
+        ]
+        assert guarded == [meta["name"]], f"{name}: {meta['name']} guards the pods of {guarded}: one model's only"
 
 
 def test_model_pods_follow_the_triton_pod(builds: dict[str, Build]) -> None:

@@ -4,6 +4,8 @@ the real click CLI, exactly as the pod would."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 import re
 from collections.abc import Iterator
@@ -14,6 +16,8 @@ import pytest
 
 from tests.k8s.kustomize import Build, Container, container, containers, environment, pod_labels
 from tritonshare.cli import main as cli
+from tritonshare.common.triton import TritonClient
+from tritonshare.common.unload import UnloadSettings
 
 TRITONSHARE_IMAGE = re.compile(r"^(?:.+/)?tritonshare(?::|@|$)")
 MODEL_LABEL = "tritonshare.io/model"  # the pod label that holds the model NAME
@@ -106,3 +110,26 @@ def cli_params(c: Container, b: Build, monkeypatch: pytest.MonkeyPatch) -> dict[
         message = f"{c.where}: tritonshare {sub} rejects its environment: {exc.format_message()}"
         raise AssertionError(message) from exc
     return params | group.params
+
+
+# The Triton calls an unload makes past its two timed waits (src/tritonshare/common/unload.py), each bounded by
+# the client's timeout: wait_quiet's last look, which may begin just after its deadline; the look again under
+# NAME's lock and the unload request (_release); _wait_unloaded's last look, likewise.
+UNLOAD_TRITON_CALLS = 4
+SHUTDOWN_MARGIN_S = 10  # beyond the worst case: deleting the model folder, the lease, the process's exit
+
+
+def worst_case_shutdown_s(proxy: Container, params: dict[str, Any]) -> float:
+    """From the kubelet's SIGTERM decision to the proxy's exit, at worst: the preStop sleep, the drain, then the
+    unload, which applies its timeout twice in a row — waiting until Triton is quiet on NAME (no answer, or
+    LOADING, up to the deadline), then, the folder removed, until Triton stops serving it — each wait ending
+    up to one poll interval and one Triton call past its deadline. The proxy passes no poll interval and makes
+    its own client, so both are the code's defaults. Not counted: deleting the folder (its size) and exiting."""
+    pre_stop: float = proxy.spec.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    total = pre_stop + params["drain_timeout_s"]
+    if params["unload_on_exit"]:
+        interval = next(f.default for f in dataclasses.fields(UnloadSettings) if f.name == "poll_interval_s")
+        call = inspect.signature(TritonClient).parameters["timeout_s"].default
+        assert isinstance(interval, float) and isinstance(call, float), (interval, call)
+        total += 2 * (params["unload_timeout_s"] + interval) + UNLOAD_TRITON_CALLS * call
+    return total
