@@ -2,9 +2,10 @@
 
 The policy table (:mod:`tritonshare.proxy.policy`) judges the stream's ``:path``; before its verdict is acted
 on, a block that is malformed, a caller without a valid bearer token (when tokens are on; the probes stay
-open), an unreachable Triton and a drain each have their answer. READY is answered with the own model's
-readiness and DENY refused, here; what is left goes to Triton (the relay forwards it), unless the client already
-has ``grpc_max_streams`` streams open there (REFUSED_STREAM, which clients retry).
+open), an unreachable Triton and a drain each have their answer. READY and LIVE are answered with the own
+model's readiness and Triton's liveness as the proxy keeps them, and DENY refused, here; what is left goes to
+Triton (the relay forwards it), unless the client already has ``grpc_max_streams`` streams open there
+(REFUSED_STREAM, which clients retry).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class NewStreams:
         self._actions: dict[Verdict, Action] = {
             Verdict.ALLOW: self._forwarded,
             Verdict.OWN: self._forwarded,
-            Verdict.READY: self._answer_ready,
+            Verdict.READY: self._answer_probe,
+            Verdict.LIVE: self._answer_probe,
             Verdict.DENY: self._deny,
         }
         # The last block judged and its rule: a client repeats the same block for every call of a method (the
@@ -115,8 +117,8 @@ class NewStreams:
         self._state.refuse(PROTOCOL, rule.route, "unavailable", "too_many_streams")  # as clients report it
         return None
 
-    def _answer_ready(self, stream_id: int, rule: GrpcRule) -> None:
-        self._answers.answer_ready(stream_id, rule)
+    def _answer_probe(self, stream_id: int, rule: GrpcRule) -> None:
+        self._answers.answer_probe(stream_id, rule)
 
     def _deny(self, stream_id: int, rule: GrpcRule) -> None:
         message = f"{rule.route} is not available to tenants"

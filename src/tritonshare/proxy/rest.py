@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tritonshare.common.errors import cannot_listen
@@ -36,7 +36,8 @@ from tritonshare.proxy import admission, auth
 from tritonshare.proxy.http1 import RequestHead, error_response, parse_request_head, upstream_head
 from tritonshare.proxy.metrics import RouteMeter
 from tritonshare.proxy.overload import Closed, TurnedAway, has_room, over_cap_message
-from tritonshare.proxy.policy import RestDecision, judge_rest
+from tritonshare.proxy.policy import RestDecision, Verdict, judge_rest
+from tritonshare.proxy.readiness import TritonProbe
 from tritonshare.proxy.rest_connection import ClientConnection
 from tritonshare.proxy.rest_requests import WHOLE_BODY_BYTES
 from tritonshare.proxy.rest_upstream import PROTOCOL, UpstreamPool
@@ -81,6 +82,7 @@ class Judged:
     length: int  # Content-Length (0 without one)
     meter: RouteMeter  # the route's request accounting
     verbatim: bool  # the head for Triton is the client's head, byte for byte: forward the client's bytes as they are
+    probe: TritonProbe | None  # a probe the proxy answers itself, from what it keeps of Triton's answer
 
 
 def judge_head(
@@ -88,11 +90,13 @@ def judge_head(
     rules: HeadRules,
     meter_of: Callable[[str], RouteMeter],
     decisions: dict[tuple[str, str], RestDecision] | None = None,
+    probes: Mapping[Verdict, TritonProbe] | None = None,
 ) -> Judged:
     """Parse a request head (raises :class:`~tritonshare.proxy.http1.HttpError`), judge it, and build what
     forwarding it needs, with the route's meter from ``meter_of``. ``decisions`` memoises the policy's verdicts
     by method and target (heads that differ only in other headers, such as a request id a mesh adds, then skip
-    the policy's path parsing)."""
+    the policy's path parsing). ``probes``: what the verdicts the proxy answers itself (READY, LIVE) are answered
+    from; without them those requests are forwarded."""
     head = parse_request_head(raw, rules.strip)
     key = (head.method, head.target)
     decision = decisions.get(key) if decisions is not None else None
@@ -106,7 +110,8 @@ def judge_head(
     limited, open_ = route in admission.LIMITED_ROUTES, route in auth.OPEN_REST_ROUTES
     meter = meter_of(route)
     if decision.status:
-        return Judged(head, decision, route, b"", False, None, False, limited, open_, False, length, meter, False)
+        return Judged(head, decision, route, b"", False, None, False, limited, open_, False, length, meter, False, None)
+    probe = probes.get(decision.rule.verdict) if probes is not None and decision.rule is not None else None
     inspect = decision.rule is not None and decision.rule.inspect and head.has_body
     # Only infer has the binary-tensor extension: generate parses the whole body, whatever the header says.
     json_length = head.inference_header_length if route == "infer" else None
@@ -119,12 +124,14 @@ def judge_head(
         and not (inspect and (length > rules.max_json_bytes or (json_length or 0) > length))
         and not (limited and rules.admitting)
         and (open_ or not rules.authenticating)
+        and probe is None
     )
     upstream = upstream_head(head, decision.upstream_path, rules.host)
     verbatim = upstream == raw + b"\r\n\r\n"
     return Judged(
-        head, decision, route, upstream, inspect, json_length, whole, limited, open_, quick, length, meter, verbatim
-    )
+        head, decision, route, upstream, inspect, json_length, whole, limited, open_, quick, length, meter, verbatim,
+        probe,
+    )  # fmt: skip
 
 
 class RestFrontend:
@@ -218,7 +225,7 @@ class RestFrontend:
         the head's bytes."""
         judged = self.heads.get(raw)
         if judged is None:
-            judged = judge_head(raw, self.rules, self._meter, self.decisions)
+            judged = judge_head(raw, self.rules, self._meter, self.decisions, self.state.probes)
             if len(raw) <= _MEMO_HEAD_BYTES:
                 if len(self.heads) >= _HEAD_MEMO:
                     self.heads.clear()

@@ -30,7 +30,7 @@ from tritonshare.proxy.metrics import BUCKETS
 from tritonshare.proxy.overload import half_close
 from tritonshare.proxy.policy import SHM_MARKER
 from tritonshare.proxy.rest_exchange import Exchange
-from tritonshare.proxy.rest_requests import CLIENT_FULL, RequestPath
+from tritonshare.proxy.rest_requests import CLIENT_FULL, UNAVAILABLE, RequestPath
 from tritonshare.proxy.rest_upstream import CONNECTING, UPSTREAM_FULL, UPSTREAM_IDLE_S, Upstream
 
 if TYPE_CHECKING:
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _OURS = CONNECTING | UPSTREAM_FULL  # pauses that are the proxy's doing, not the client's: no timeout runs
-_UNAVAILABLE = "the inference server is unavailable; retry later"
 _BROKEN = "the inference server closed the connection; retry"
 
 
@@ -312,4 +311,4 @@ class ClientConnection(RequestPath, asyncio.Protocol):
         if ex is None or ex.response_done or self.closing:
             self.unpause(CONNECTING)  # nothing waits on Triton now
             return
-        self._give_up(ex, 503, _UNAVAILABLE, "upstream")
+        self._give_up(ex, 503, UNAVAILABLE, "upstream")
