@@ -240,7 +240,13 @@ def unload(
 @option("--host", default="0.0.0.0", help="Address the proxy listens on.")
 @option("--http-port", type=click.IntRange(0, 65535), default=9000, help="REST (KServe v2) port.")
 @option("--grpc-port", type=click.IntRange(0, 65535), default=9001, help="gRPC port.")
-@option("--metrics-port", type=click.IntRange(0, 65535), default=9090, help="Prometheus /metrics; 0 = off.")
+@option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=9090,
+    help="Prometheus /metrics, and the kubelet's probes (/v2/health/ready, /v2/health/live) outside the REST "
+    "port's --max-connections; 0 = off.",
+)
 @option(
     "--triton-metrics-url",
     default=None,

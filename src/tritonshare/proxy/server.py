@@ -81,9 +81,7 @@ async def serve(
     state = ProxyState(settings)  # reads the token and TLS files: a bad one stops here, before the lease
     heartbeat = _hold_lease(settings)
     frontends: list[Frontend] = [RestFrontend(state), GrpcFrontend(state)]
-    metrics = MetricsServer(
-        state.metrics, settings.host, settings.metrics_port, triton_metrics=_triton_metrics(settings)
-    )
+    metrics = MetricsServer(state, settings.host, settings.metrics_port, triton_metrics=_triton_metrics(settings))
     for frontend in frontends:
         await frontend.start()
     await metrics.start()
