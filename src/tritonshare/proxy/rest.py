@@ -46,8 +46,12 @@ from tritonshare.proxy.tls import Handshakes
 
 logger = logging.getLogger(__name__)
 
-HEADER_TIMEOUT_S = 30.0  # a request head must be complete this long after its first byte arrived
-IDLE_TIMEOUT_S = 300.0  # a keep-alive connection without a request for this long is closed
+# A request head must be complete this long after its first byte arrived (a connection's first head: after the
+# connection was accepted, so a silent one is closed then, as gRPC's are, grpc_connection.SILENT_TIMEOUT_S).
+HEADER_TIMEOUT_S = 30.0
+# A keep-alive connection without a request for this long is closed: nginx's keepalive_timeout, which HTTP
+# clients' pools are made to live with. Each idle connection holds a place under --max-connections.
+IDLE_TIMEOUT_S = 75.0
 _SWEEP_S = 1.0  # how often the timeouts are checked
 _HEAD_MEMO = 512  # judged heads kept
 _MEMO_HEAD_BYTES = 4096  # longer heads are not memoised
@@ -138,7 +142,8 @@ class RestFrontend:
     """Listens on ``settings.http_port``; one :class:`ClientConnection` per client connection.
 
     ``header_timeout_s`` and ``idle_timeout_s`` bound how long a connection may take to send a request head
-    (else 408 and close) and stay idle between requests (then it is closed)."""
+    (else 408 and close; a connection that sends nothing at all is closed) and stay idle between requests (then
+    it is closed)."""
 
     protocol = PROTOCOL
 
