@@ -325,7 +325,8 @@ def unload(
     "--rate-limit-rps",
     type=click.FloatRange(min=0),
     default=0.0,
-    help="Inference requests per second (token bucket in front of the queue); over it → 429. 0 = off.",
+    help="Inference requests per second (token bucket in front of the queue); over it → 429. Metadata, config "
+    "and statistics requests get a bucket of their own at the same rate. 0 = off.",
 )
 @option(
     "--rate-limit-burst",

@@ -43,10 +43,12 @@ class LocalAnswers:
         self.tasks: set[asyncio.Task[None]] = set()  # probe answers waiting for Triton's
         self.window_debt = 0  # DATA bytes sent to the client here, not yet taken off its WINDOW_UPDATEs
 
-    def refuse_new(self, stream_id: int, route: str, status: int, message: str, reason: str) -> None:
+    def refuse_new(
+        self, stream_id: int, route: str, status: int, message: str, reason: str, pushback_ms: int | None = None
+    ) -> None:
         """A new stream is refused with ``status``; Triton never sees it."""
         self._streams.answer_locally(stream_id)
-        self._to_client(grpc_replies.refusal(stream_id, status, message))
+        self._to_client(grpc_replies.refusal(stream_id, status, message, pushback_ms=pushback_ms))
         self._state.refuse(PROTOCOL, route, grpc_replies.STATUS_NAMES[status], reason)
 
     def refuse_forwarded(self, stream_id: int, refusal: Refusal, pushback_ms: int | None = None) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from tritonshare.proxy import http2
+from tritonshare.proxy.admission import METADATA_ROUTES
 from tritonshare.proxy.auth import MESSAGE as AUTH_MESSAGE
 from tritonshare.proxy.auth import OPEN_GRPC_ROUTES
 from tritonshare.proxy.grpc_answers import LocalAnswers
@@ -21,6 +22,7 @@ from tritonshare.proxy.grpc_streams import PROTOCOL, StreamTable
 from tritonshare.proxy.hpack_codec import HeaderBlock
 from tritonshare.proxy.policy import (
     GRPC_PERMISSION_DENIED,
+    GRPC_RESOURCE_EXHAUSTED,
     GRPC_UNAUTHENTICATED,
     GRPC_UNAVAILABLE,
     GRPC_UNIMPLEMENTED,
@@ -57,6 +59,7 @@ class NewStreams:
         self._to_client = to_client
         self._auth = state.auth
         self._max_streams = state.settings.grpc_max_streams
+        self._metered = METADATA_ROUTES if state.admission.rate_limited else frozenset()  # take a token each
         self._actions: dict[Verdict, Action] = {
             Verdict.ALLOW: self._forwarded,
             Verdict.OWN: self._forwarded,
@@ -109,13 +112,20 @@ class NewStreams:
 
     def _forwarded(self, stream_id: int, rule: GrpcRule) -> GrpcRule | None:
         """A stream for Triton, unless the client already has as many open there as the proxy advertises
-        (SETTINGS_MAX_CONCURRENT_STREAMS): refused then, which clients retry."""
-        if len(self._streams.active) < self._max_streams:
-            return rule
-        self._streams.answer_locally(stream_id)
-        self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
-        self._state.refuse(PROTOCOL, rule.route, "unavailable", "too_many_streams")  # as clients report it
-        return None
+        (SETTINGS_MAX_CONCURRENT_STREAMS): refused then, which clients retry; or, with a rate limit, a metadata
+        call finds its bucket empty: RESOURCE_EXHAUSTED, as for inference (``Admission.take_metadata_token``)."""
+        if len(self._streams.active) >= self._max_streams:
+            self._streams.answer_locally(stream_id)
+            self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
+            self._state.refuse(PROTOCOL, rule.route, "unavailable", "too_many_streams")  # as clients report it
+            return None
+        if rule.route in self._metered and (refusal := self._state.admission.take_metadata_token()) is not None:
+            pushback_ms = refusal.retry_after_s * 1000
+            self._answers.refuse_new(
+                stream_id, rule.route, GRPC_RESOURCE_EXHAUSTED, refusal.message, refusal.reason, pushback_ms
+            )
+            return None
+        return rule
 
     def _answer_probe(self, stream_id: int, rule: GrpcRule) -> None:
         self._answers.answer_probe(stream_id, rule)

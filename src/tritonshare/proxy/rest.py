@@ -19,8 +19,8 @@ is short: a whole request in one read, its head seen before, goes to Triton in o
 comes whole goes back untouched. Heads are parsed and judged once, memoised by their exact bytes (parsing and
 judging are pure functions of them), and the memo also records whether a head may take that short path; per
 request only the drain state, the body length and the shared-memory marker are looked at. With
-authentication or admission control on, the routes they cover take the general path (the token is checked
-per request, never memoised).
+authentication, admission control or a rate limit on, the routes they cover take the general path (the token is
+checked per request, never memoised; metadata routes take a token of their rate-limit bucket there).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class HeadRules:
     max_json_bytes: int
     authenticating: bool  # --auth-token-file is set
     admitting: bool  # admission control is on
+    rate_limiting: bool  # --rate-limit-rps is set: metadata routes take a token too
 
 
 @dataclass(slots=True)
@@ -81,6 +82,7 @@ class Judged:
     json_length: int | None  # JSON bytes at the start of the decoded body; None: all; 0: none (raw binary)
     whole: bool  # forwarded with a plain Content-Length body: if it came with the head, one write
     limited: bool  # takes an admission slot (when admission control is on)
+    metered: bool  # takes a token of the metadata bucket (when rate limiting is on)
     open: bool  # needs no bearer token (when authentication is on)
     quick: bool  # may take the short path, given its whole body without the shared-memory marker
     length: int  # Content-Length (0 without one)
@@ -112,9 +114,12 @@ def judge_head(
             decisions[key] = decision
     route, length = decision.route, head.content_length or 0
     limited, open_ = route in admission.LIMITED_ROUTES, route in auth.OPEN_REST_ROUTES
+    metered = route in admission.METADATA_ROUTES
     meter = meter_of(route)
     if decision.status:
-        return Judged(head, decision, route, b"", False, None, False, limited, open_, False, length, meter, False, None)
+        return Judged(
+            head, decision, route, b"", False, None, False, limited, metered, open_, False, length, meter, False, None
+        )  # fmt: skip
     probe = probes.get(decision.rule.verdict) if probes is not None and decision.rule is not None else None
     inspect = decision.rule is not None and decision.rule.inspect and head.has_body
     # Only infer has the binary-tensor extension: generate parses the whole body, whatever the header says.
@@ -127,14 +132,15 @@ def judge_head(
         and length <= WHOLE_BODY_BYTES
         and not (inspect and (length > rules.max_json_bytes or (json_length or 0) > length))
         and not (limited and rules.admitting)
+        and not (metered and rules.rate_limiting)
         and (open_ or not rules.authenticating)
         and probe is None
     )
     upstream = upstream_head(head, decision.upstream_path, rules.host)
     verbatim = upstream == raw + b"\r\n\r\n"
     return Judged(
-        head, decision, route, upstream, inspect, json_length, whole, limited, open_, quick, length, meter, verbatim,
-        probe,
+        head, decision, route, upstream, inspect, json_length, whole, limited, metered, open_, quick, length, meter,
+        verbatim, probe,
     )  # fmt: skip
 
 
@@ -163,6 +169,7 @@ class RestFrontend:
             max_json_bytes=settings.max_json_bytes,
             authenticating=state.auth is not None,
             admitting=state.admission.active,
+            rate_limiting=state.admission.rate_limited,
         )
         self.max_header_bytes = settings.max_header_bytes
         self.header_timeout_s = header_timeout_s

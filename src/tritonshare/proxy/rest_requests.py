@@ -8,7 +8,8 @@ After the head is judged, in order: draining (503); the bearer token when authen
 ``WWW-Authenticate``; probes are open; checked per request, never memoised, so a changed token file counts at
 once); the policy verdict; admission control for inference routes when it is on: the request takes a slot of
 the model's :class:`~tritonshare.proxy.admission.Admission`, or waits for one (parked: what the client sends
-meanwhile is kept, up to a bound) and is refused with 429 + ``Retry-After`` if the wait fails. A slot goes back
+meanwhile is kept, up to a bound) and is refused with 429 + ``Retry-After`` if the wait fails; with a rate
+limit, a metadata route takes a token of its own bucket or is refused so at once. A slot goes back
 exactly once (:meth:`RequestPath._settle`): at the end of the response, when Triton fails, when the request is
 refused after admission (its body fails the check), or when the client goes — but a request that Triton got
 whole keeps its slot until Triton has answered it (the response is read and dropped), so clients that give up
@@ -145,6 +146,12 @@ class RequestPath:
                 return self._answer_probe(ex, judged.probe, rest)
             if judged.limited and self.state.admission.active and not self._admit(ex, rest):
                 return b""
+            if judged.metered and self.state.admission.rate_limited:
+                refusal = self.state.admission.take_metadata_token()
+                if refusal is not None:
+                    retry = b"Retry-After: %d\r\n" % refusal.retry_after_s
+                    self._refuse(ex, admission.HTTP_STATUS, refusal.message, refusal.reason, headers=retry)
+                    return rest
             return self._forward(ex, rest)
         return rest
 
