@@ -360,6 +360,7 @@ def unload(
     help="The model's SOURCE, as given to `tritonshare load`: if NAME is missing from the repository when the "
     "proxy starts (restarted in a live pod after its SIGTERM unloaded it), it is installed again from there.",
 )
+@termination_log_option
 def proxy(
     repository: Path,
     staging: Path,
@@ -373,7 +374,9 @@ def proxy(
 ) -> None:
     """Serve NAME only: forward its REST and gRPC calls to Triton, refuse everything else.
 
-    On SIGTERM: readiness turns false, in-flight requests drain, then the model is unloaded.
+    On SIGTERM: readiness turns false, in-flight requests drain, then the model is unloaded. Exit codes: 0
+    unloaded, or kept for another pod (or --no-unload); as `tritonshare unload` when the unload failed (13 Triton
+    kept it LOADING, or still serves it; 16 Triton did not answer), the reason in --termination-log.
     """
     from tritonshare.proxy.server import run
     from tritonshare.proxy.settings import ProxySettings
@@ -388,7 +391,8 @@ def proxy(
         from tritonshare.pod import reinstall_if_missing
 
         reinstall_if_missing(_reinstall_settings(source, settings), settings)
-    run_command(lambda: run(settings), stop_on_signals=False)  # the proxy drains on SIGTERM itself
+    # The proxy drains on SIGTERM itself; it writes its unload's failure to the termination log itself too.
+    run_command(lambda: run(settings), termination_log=settings.termination_log, stop_on_signals=False)
 
 
 def _reinstall_settings(source: str, proxy: ProxySettings) -> LoaderSettings:
