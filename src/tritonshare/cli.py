@@ -240,7 +240,13 @@ def unload(
 @option("--host", default="0.0.0.0", help="Address the proxy listens on.")
 @option("--http-port", type=click.IntRange(0, 65535), default=9000, help="REST (KServe v2) port.")
 @option("--grpc-port", type=click.IntRange(0, 65535), default=9001, help="gRPC port.")
-@option("--metrics-port", type=click.IntRange(0, 65535), default=9090, help="Prometheus /metrics; 0 = off.")
+@option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=9090,
+    help="Prometheus /metrics, and the kubelet's probes (/v2/health/ready, /v2/health/live) outside the REST "
+    "port's --max-connections; 0 = off.",
+)
 @option(
     "--triton-metrics-url",
     default=None,
@@ -319,7 +325,8 @@ def unload(
     "--rate-limit-rps",
     type=click.FloatRange(min=0),
     default=0.0,
-    help="Inference requests per second (token bucket in front of the queue); over it → 429. 0 = off.",
+    help="Inference requests per second (token bucket in front of the queue); over it → 429. Metadata, config "
+    "and statistics requests get a bucket of their own at the same rate. 0 = off.",
 )
 @option(
     "--rate-limit-burst",
@@ -353,6 +360,7 @@ def unload(
     help="The model's SOURCE, as given to `tritonshare load`: if NAME is missing from the repository when the "
     "proxy starts (restarted in a live pod after its SIGTERM unloaded it), it is installed again from there.",
 )
+@termination_log_option
 def proxy(
     repository: Path,
     staging: Path,
@@ -366,7 +374,9 @@ def proxy(
 ) -> None:
     """Serve NAME only: forward its REST and gRPC calls to Triton, refuse everything else.
 
-    On SIGTERM: readiness turns false, in-flight requests drain, then the model is unloaded.
+    On SIGTERM: readiness turns false, in-flight requests drain, then the model is unloaded. Exit codes: 0
+    unloaded, or kept for another pod (or --no-unload); as `tritonshare unload` when the unload failed (13 Triton
+    kept it LOADING, or still serves it; 16 Triton did not answer), the reason in --termination-log.
     """
     from tritonshare.proxy.server import run
     from tritonshare.proxy.settings import ProxySettings
@@ -381,7 +391,8 @@ def proxy(
         from tritonshare.pod import reinstall_if_missing
 
         reinstall_if_missing(_reinstall_settings(source, settings), settings)
-    run_command(lambda: run(settings), stop_on_signals=False)  # the proxy drains on SIGTERM itself
+    # The proxy drains on SIGTERM itself; it writes its unload's failure to the termination log itself too.
+    run_command(lambda: run(settings), termination_log=settings.termination_log, stop_on_signals=False)
 
 
 def _reinstall_settings(source: str, proxy: ProxySettings) -> LoaderSettings:

@@ -71,7 +71,7 @@ def test_documented_deployment_keeps_the_model_pod_contract() -> None:
     assert name == proxy.env_value("TRITONSHARE_NAME")
     assert name is not None and "tritonshare.io/model" in name["valueFrom"]["fieldRef"]["fieldPath"]
     assert "tritonshare.io/model" in pod_labels(deployment)
-    assert proxy.spec["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert proxy.spec["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "metrics"}
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
     anti = pod_spec(deployment)["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert anti[0]["matchLabelKeys"] == ["tritonshare.io/model"]

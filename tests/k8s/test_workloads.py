@@ -269,7 +269,9 @@ def test_proxy_readiness_is_its_own_model(builds: dict[str, Build], monkeypatch:
         params = cli_params(proxy, builds[name], monkeypatch)
         get = proxy.spec["readinessProbe"]["httpGet"]
         assert get["path"] == "/v2/health/ready", name
-        assert port_number(proxy, get["port"]) == params["http_port"], f"{name}: probe not on the proxy's port"
+        # The metrics port: the REST port's --max-connections can be filled by anyone, the probe turned away.
+        assert params["metrics_port"], f"{name}: the metrics port (the probe's) is off"
+        assert port_number(proxy, get["port"]) == params["metrics_port"], f"{name}: probe not on the metrics port"
         assert "livenessProbe" not in proxy.spec, f"{name}: a Triton-dependent liveness restarts every proxy"
 
 

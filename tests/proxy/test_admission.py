@@ -13,8 +13,15 @@ import uvloop
 from prometheus_client import CollectorRegistry
 
 from tritonshare.common.errors import UsageError
-from tritonshare.proxy.admission import LIMITED_ROUTES, Admission, AdmissionLimits, Refusal, TokenBucket
-from tritonshare.proxy.policy import GRPC_RULES, REST_MODEL_ROUTES, Verdict
+from tritonshare.proxy.admission import (
+    LIMITED_ROUTES,
+    METADATA_ROUTES,
+    Admission,
+    AdmissionLimits,
+    Refusal,
+    TokenBucket,
+)
+from tritonshare.proxy.policy import GRPC_RULES, REST_MODEL_ROUTES, REST_SERVER_ROUTES, Verdict
 from tritonshare.proxy.settings import ProxySettings
 from tritonshare.proxy.state import ProxyState
 
@@ -97,12 +104,40 @@ def make(loop: FakeLoop, registry: CollectorRegistry | None = None, **limits: fl
 
 
 def test_limited_routes_are_the_inference_routes_of_the_policy() -> None:
-    """Probes, metadata and statistics are never queued or throttled; every inference route is."""
+    """Probes, metadata and statistics are never queued; every inference route is."""
     rules: dict[str, tuple[Verdict, bool]] = {r.route: (r.verdict, r.inspect) for r in REST_MODEL_ROUTES.values()}
     rules.update({r.route: (r.verdict, r.inspect) for r in GRPC_RULES.values()})
     assert LIMITED_ROUTES <= rules.keys()
     assert {route for route, (_, inspect) in rules.items() if inspect} == LIMITED_ROUTES
     assert all(rules[route][0] is Verdict.OWN for route in LIMITED_ROUTES)
+
+
+def test_every_route_that_reaches_triton_is_under_the_rate_limit() -> None:
+    """A route forwarded to Triton (ALLOW, OWN) is inference (a slot, the inference bucket) or metadata (a bucket
+    of its own); the rest (probes, refusals) never reach Triton per request."""
+    rules = [*REST_SERVER_ROUTES.values(), *REST_MODEL_ROUTES.values(), *GRPC_RULES.values()]
+    forwarded = {rule.route for rule in rules if rule.verdict in (Verdict.ALLOW, Verdict.OWN)}
+    assert forwarded == LIMITED_ROUTES | METADATA_ROUTES
+    assert not LIMITED_ROUTES & METADATA_ROUTES
+
+
+def test_metadata_takes_tokens_of_a_bucket_of_its_own_and_never_a_slot() -> None:
+    loop = FakeLoop()
+    admission = make(loop, max_inflight=1, rate_limit_rps=10, rate_limit_burst=2)
+    assert admission.rate_limited
+    assert [admission.take_metadata_token() for _ in range(2)] == [None, None]
+    refusal = admission.take_metadata_token()
+    assert refusal is not None and refusal.reason == "rate_limited" and refusal.retry_after_s == 1
+    assert admission.stats.throttled == 1 and admission.stats.inflight == 0  # counted as throttled; no slot
+    assert admission.try_acquire() and admission.try_acquire() is False  # inference: its own token, one slot
+    loop.advance(0.101)  # one token back
+    assert admission.take_metadata_token() is None and admission.take_metadata_token() is not None
+
+
+def test_without_a_rate_metadata_is_not_limited() -> None:
+    admission = make(FakeLoop(), max_inflight=1)
+    assert not admission.rate_limited
+    assert all(admission.take_metadata_token() is None for _ in range(100))
 
 
 def test_off_by_default_needs_no_loop_and_exports_nothing() -> None:

@@ -229,12 +229,13 @@ def test_metrics_count_tokens_reloads_and_refusals(tmp_path: Path, clock: Clock)
     assert registry.get_sample_value("tritonshare_proxy_auth_refused_total", {"reason": "invalid"}) == 1
 
 
-def test_open_routes_are_only_probes_and_exist_in_the_policy() -> None:
+def test_open_routes_are_only_probes_the_proxy_answers_itself() -> None:
+    """Open routes are never forwarded per request (a flood of them would reach the shared Triton unthrottled)."""
     rest_rules = {rule.route: rule for rule in (*REST_SERVER_ROUTES.values(), *REST_MODEL_ROUTES.values())}
     grpc_rules = {rule.route: rule for rule in GRPC_RULES.values()}
     for route in OPEN_REST_ROUTES:
-        assert rest_rules[route].verdict in (Verdict.ALLOW, Verdict.READY), route
+        assert rest_rules[route].verdict in (Verdict.LIVE, Verdict.READY), route
     for route in OPEN_GRPC_ROUTES:
-        assert grpc_rules[route].verdict in (Verdict.ALLOW, Verdict.READY), route
+        assert grpc_rules[route].verdict in (Verdict.LIVE, Verdict.READY), route
     assert "server_metadata" not in OPEN_REST_ROUTES and "ServerMetadata" not in OPEN_GRPC_ROUTES
     assert not {"infer", "model_metadata", "ModelInfer", "ModelStreamInfer"} & (OPEN_REST_ROUTES | OPEN_GRPC_ROUTES)

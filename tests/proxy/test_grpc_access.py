@@ -264,9 +264,10 @@ def test_rate_limit_refuses_over_rate_and_leaves_other_rpcs_alone(
     assert sorted(codes(outcomes)) == ["OK"] * 2 + ["RESOURCE_EXHAUSTED"] * 4
     refused = next(o for o in outcomes if o.code != "OK")
     assert f"model '{served_models.own}': rate limit of 1 requests/s (burst 2) exceeded" in refused.message
-    for _ in range(5):  # metadata and readiness are not inference: never limited
-        assert client.get_model_metadata(served_models.own).name == served_models.own
-        assert client.is_model_ready(served_models.own)
+    assert client.get_model_metadata(served_models.own).name == served_models.own  # metadata: a bucket of its own
+    assert client.is_model_ready(served_models.own)
+    for _ in range(5):  # probes: answered by the proxy, never limited
+        assert client.is_server_live() and client.is_server_ready()
     with grpc.insecure_channel(proxy.grpc_url) as channel, pytest.raises(grpc.RpcError) as info:
         channel.unary_unary(INFER)(infer_request(served_models.own), timeout=10)
     error = info.value
@@ -278,6 +279,48 @@ def test_rate_limit_refuses_over_rate_and_leaves_other_rpcs_alone(
         "RESOURCE_EXHAUSTED",
     ]
     assert metric(scrape(proxy), "tritonshare_proxy_admission_throttled_total") == 6
+
+
+def status_of(call: Callable[[], object]) -> str:
+    try:
+        call()
+    except InferenceServerException as error:
+        return str(error.status()).removeprefix("StatusCode.")
+    return "OK"
+
+
+def test_rate_limit_holds_metadata_calls_in_a_bucket_of_their_own(
+    start_proxy: StartProxy,
+    served_models: ServedModels,
+    client_of: Callable[..., grpcclient.InferenceServerClient],
+) -> None:
+    """A ModelConfig flood at 10k/s went to Triton whatever --rate-limit-rps said: metadata, config, statistics
+    and a model's readiness now take a token of their own bucket (same rate and burst), never waiting for one."""
+    own = served_models.own
+    proxy = start_proxy(own, "--no-unload", "--rate-limit-rps", "0.2", "--rate-limit-burst", "2")  # 1 token / 5 s
+    client = client_of(proxy.grpc_url)
+    assert [status_of(lambda: client.get_model_config(own)) for _ in range(6)] == ["OK"] * 2 + [
+        "RESOURCE_EXHAUSTED"
+    ] * 4
+    others = [
+        lambda: client.get_model_metadata(own),
+        lambda: client.get_inference_statistics(own),
+        lambda: client.is_model_ready(own),
+        client.get_server_metadata,
+    ]
+    assert [status_of(call) for call in others] == ["RESOURCE_EXHAUSTED"] * 4  # one bucket for every metadata RPC
+    with grpc.insecure_channel(proxy.grpc_url) as channel, pytest.raises(grpc.RpcError) as info:
+        request = pb.ModelConfigRequest(name=own).SerializeToString()
+        channel.unary_unary("/inference.GRPCInferenceService/ModelConfig")(request, timeout=10)
+    error = info.value
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "rate limit of 0.2 requests/s" in error.details()
+    assert ("grpc-retry-pushback-ms", "5000") in [(m.key, m.value) for m in error.trailing_metadata() or ()]
+    assert codes(infer_all(client, own, [1])) == ["OK"]  # inference has its own tokens
+    assert client.is_server_live() and client.is_server_ready()  # probes: never limited
+    samples = scrape(proxy)
+    assert metric(samples, "tritonshare_proxy_admission_throttled_total") == 4 + 4 + 1
+    refused = {"route": "ModelConfig", "reason": "rate_limited"}
+    assert metric(samples, "tritonshare_proxy_refusals_total", **refused) == 5
 
 
 def infer_request(model: str) -> bytes:

@@ -90,7 +90,7 @@ def split_frame(frame: bytes, size: int = 65536) -> list[bytes]:
 
 @pytest.mark.parametrize("whole", [True, False], ids=["one read", "many reads"])
 def test_a_header_block_in_one_frame_is_held_to_max_header_bytes(whole: bool) -> None:
-    fields = [(":method", "POST"), (":path", "/inference.GRPCInferenceService/ServerLive"), ("x-pad", "p" * 70_000)]
+    fields = [(":method", "POST"), (":path", "/inference.GRPCInferenceService/ServerMetadata"), ("x-pad", "p" * 70_000)]
     frame = http2.frame(http2.HEADERS, http2.END_HEADERS, 1, Client().encoder.encode(fields, huffman=False))
     chunks = [frame] if whole else split_frame(frame, 4096)
     larger = {http2.SETTINGS_MAX_FRAME_SIZE: 4 * MIB}  # (not refused for its frame size)
@@ -100,7 +100,7 @@ def test_a_header_block_in_one_frame_is_held_to_max_header_bytes(whole: bool) ->
 
 
 def test_a_continuation_flood_ends_the_connection_after_a_few_frames() -> None:
-    head = Client().headers(1, "ServerLive")
+    head = Client().headers(1, "ServerMetadata")
     flood = http2.frame(http2.CONTINUATION, 0, 1, b"") * 5000  # 45 KiB: under max_header_bytes
     to_triton, to_client, _ = asyncio.run(relay([START + http2.frame(http2.HEADERS, 0, 1, head[9:]) + flood]))
     assert goaway_code(to_client) == http2.ENHANCE_YOUR_CALM
@@ -109,7 +109,7 @@ def test_a_continuation_flood_ends_the_connection_after_a_few_frames() -> None:
 
 def test_a_header_block_in_its_most_continuation_frames_is_forwarded() -> None:
     block = Client().encoder.encode(
-        [(":method", "POST"), (":path", "/inference.GRPCInferenceService/ServerLive"), ("x-meta", "m" * 320)]
+        [(":method", "POST"), (":path", "/inference.GRPCInferenceService/ServerMetadata"), ("x-meta", "m" * 320)]
     )
     count = MAX_CONTINUATIONS + 1  # the HEADERS frame and its CONTINUATIONs
     pieces = [block[len(block) * i // count : len(block) * (i + 1) // count] for i in range(count)]
@@ -174,7 +174,7 @@ def test_refused_messages_count_as_streams_ended_early() -> None:
 
 def test_requests_on_a_stream_id_already_used_end_the_connection() -> None:
     client = Client()
-    talk = [START + client.headers(3, "ServerLive") + data(3, b"\x00" * 5), client.headers(1, "ServerLive")]
+    talk = [START + client.headers(3, "ServerMetadata") + data(3, b"\x00" * 5), client.headers(1, "ServerMetadata")]
     to_triton, to_client, _ = asyncio.run(relay(talk))
     assert goaway_code(to_client) == http2.PROTOCOL_ERROR
     assert sorted(client_streams(to_triton)) == [3]
@@ -192,7 +192,7 @@ def test_trailers_of_a_stream_no_longer_open_are_dropped_quietly() -> None:
 
 def test_a_client_push_promise_ends_the_connection() -> None:
     client = Client()
-    opening = START + client.headers(1, "ServerLive")
+    opening = START + client.headers(1, "ServerMetadata")
     promise = http2.frame(http2.PUSH_PROMISE, http2.END_HEADERS, 1, b"\x00\x00\x00\x02" + client.headers(2, "x")[9:])
     to_triton, to_client, _ = asyncio.run(relay([opening, promise]))
     assert goaway_code(to_client) == http2.PROTOCOL_ERROR

@@ -285,7 +285,7 @@ def test_a_stream_naming_two_paths_never_reaches_triton() -> None:
         [
             (":method", "POST"),
             (":scheme", "http"),
-            (":path", f"/{GRPC_SERVICE}/ServerLive"),
+            (":path", f"/{GRPC_SERVICE}/ServerMetadata"),
             (":path", f"/{GRPC_SERVICE}/RepositoryIndex"),
             (":authority", "proxy"),
             ("content-type", "application/grpc"),
@@ -297,13 +297,13 @@ def test_a_stream_naming_two_paths_never_reaches_triton() -> None:
             http2.settings(),
             http2.frame(http2.HEADERS, http2.END_HEADERS, 1, twice),
             data(1, b"\0" * 5),
-            client.headers(3, "ServerLive"),
+            client.headers(3, "ServerMetadata"),
             data(3, b"\0" * 5),
         ]
     )
     to_triton, to_client, _ = asyncio.run(relay([talk]))
     opened = {sid: s.headers[":path"] for sid, s in client_streams(to_triton).items() if s.headers}
-    assert opened == {3: f"/{GRPC_SERVICE}/ServerLive"}
+    assert opened == {3: f"/{GRPC_SERVICE}/ServerMetadata"}
     resets = [(sid, p) for kind, _, sid, p in frames(to_client) if kind == http2.RST_STREAM]
     assert resets == [(1, http2.PROTOCOL_ERROR.to_bytes(4, "big"))]
 

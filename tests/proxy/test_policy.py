@@ -111,7 +111,7 @@ def test_grpc_table_covers_all_twenty_rpcs_and_health() -> None:
     rpcs = {path.rsplit("/", 1)[1] for path in GRPC_RULES if path.startswith(f"/{GRPC_SERVICE}/")}
     assert len(rpcs) == 20
     verdicts = {rule.route: rule.verdict for rule in GRPC_RULES.values()}
-    assert verdicts["ServerLive"] is Verdict.ALLOW
+    assert verdicts["ServerLive"] is Verdict.LIVE and verdicts["ServerMetadata"] is Verdict.ALLOW
     assert verdicts["ServerReady"] is Verdict.READY and verdicts["HealthCheck"] is Verdict.READY
     assert {r for r, v in verdicts.items() if v is Verdict.OWN} == {
         "ModelReady",

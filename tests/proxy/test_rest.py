@@ -663,6 +663,29 @@ def test_a_head_not_complete_in_time_gets_408_and_an_idle_connection_is_closed(
             assert time.monotonic() - started < 6
 
 
+def test_a_connection_must_send_its_first_head_in_time_where_a_served_one_may_idle(
+    triton: TritonServer, served_models: ServedModels
+) -> None:
+    """A connection that never sends a byte held its place under --max-connections for the whole keep-alive
+    idle time (300 s): 1,024 of them, no token needed, locked every client out, probes included. Its first head
+    is due ``header_timeout_s`` after the accept, as gRPC closes silent connections; idle keep-alive after a
+    request is another, longer, matter."""
+    settings = ProxySettings(name=served_models.own, triton_url=triton.url, host="127.0.0.1", http_port=0)
+    live = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    with LocalRest(settings, header_timeout_s=1.0, idle_timeout_s=30.0) as local:
+        with Raw(local.port) as silent, Raw(local.port) as trickling, Raw(local.port) as served:
+            accepted = time.monotonic()
+            assert served.send(live).response()[0] == 200
+            for byte in live[:12]:  # a byte every 0.2 s: each one comes in time, the head does not
+                trickling.send(bytes([byte]))
+                time.sleep(0.2)
+            status, _, body = trickling.response()
+            assert status == 408 and "not complete within 1 s" in error_of(body)
+            assert silent.closed_by_peer()
+            assert time.monotonic() - accepted < 4  # the sweep runs once a second
+            assert served.send(live).response()[0] == 200  # the served one idles on
+
+
 def test_a_port_in_use_is_a_usage_error(proxy: ProxyProcess, own: str) -> None:
     settings = ProxySettings(name=own, host="127.0.0.1", http_port=proxy.http_port)
 

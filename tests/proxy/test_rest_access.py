@@ -248,10 +248,35 @@ def test_the_rate_limit_refuses_with_429_and_leaves_probes_alone(
     answers = [infer(proxy.http_port, own, i) for i in range(5)]
     assert [status for status, _, _ in answers] == [200, 200, 429, 429, 429]
     assert answers[2][1]["retry-after"] == "1" and "rate limit" in json.loads(answers[2][2])["error"]
-    assert get(proxy.http_port, f"/v2/models/{own}/ready")[0] == 200  # not an inference: never limited
+    assert get(proxy.http_port, f"/v2/models/{own}/ready")[0] == 200  # metadata: a bucket of its own
     time.sleep(0.6)  # one token back
     assert infer(proxy.http_port, own, 9)[0] == 200
     assert metric(proxy, f'tritonshare_proxy_admission_throttled_total{{model="{own}"}}') == 3
+
+
+def test_the_rate_limit_holds_metadata_in_a_bucket_of_its_own_and_leaves_probes_alone(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
+) -> None:
+    """A config flood at 10k/s went to Triton whatever --rate-limit-rps said: metadata, config, statistics and a
+    model's readiness now take a token of their own bucket (same rate and burst), never waiting for one."""
+    own = served_models.own
+    proxy = start_proxy(own, "--no-unload", "--rate-limit-rps", "0.2", "--rate-limit-burst", "2")  # 1 token / 5 s
+    answers = [get(proxy.http_port, f"/v2/models/{own}/config") for _ in range(8)]
+    statuses = [status for status, _, _ in answers]
+    assert statuses == [200, 200] + [429] * 6
+    status, headers, body = answers[-1]
+    assert headers["retry-after"] == "5" and "rate limit of 0.2 requests/s" in json.loads(body)["error"]
+    for path in ("/v2", f"/v2/models/{own}", f"/v2/models/{own}/stats", f"/v2/models/{own}/versions/1/ready"):
+        assert get(proxy.http_port, path)[0] == 429, path  # one bucket for every metadata route
+    assert infer(proxy.http_port, own, 1)[0] == 200  # inference has its own tokens
+    for path in ("/v2/health/ready", "/v2/health/live"):
+        assert get(proxy.http_port, path)[0] == 200  # probes: answered by the proxy, never limited
+    throttled = statuses.count(429) + 4
+    assert metric(proxy, f'tritonshare_proxy_admission_throttled_total{{model="{own}"}}') == throttled
+    refused = [
+        v for n, lab, v in _samples(proxy) if n == "tritonshare_proxy_refusals_total" and lab["route"] == "model_config"
+    ]
+    assert refused == [statuses.count(429)]
 
 
 def _request_then_leave(port: int, model: str, value: float, after_s: float) -> None:

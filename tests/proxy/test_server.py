@@ -48,11 +48,14 @@ def test_a_port_in_use_exits_2_naming_the_port_and_the_option(tmp_path: Path, ta
         ports = {option: str(port if option == taken else free_port()) for option in PORTS}
         args = [arg for option, value in ports.items() for arg in (option, value)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRITONSHARE_")}
+        termination = tmp_path / "termination-log"
         done = subprocess.run(
             [TRITONSHARE, "proxy", "--name", "m", "--host", "127.0.0.1", "--no-unload", *args,
-             "--repository", str(tmp_path / "models"), "--staging", str(tmp_path / "staging")],
+             "--repository", str(tmp_path / "models"), "--staging", str(tmp_path / "staging"),
+             "--termination-log", str(termination)],
             capture_output=True, text=True, timeout=60, env=env,
         )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and f"choose another {taken}" in done.stderr
     assert "Traceback" not in done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in termination.read_text()  # the pod status says it too

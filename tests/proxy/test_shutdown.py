@@ -1,4 +1,5 @@
-"""SIGTERM under load: in-flight REST and gRPC requests finish, the model is unloaded, exit 0."""
+"""SIGTERM under load: in-flight REST and gRPC requests finish, the model is unloaded, exit 0; an unload that
+fails is the proxy's exit code, and its reason the termination message."""
 
 from __future__ import annotations
 
@@ -6,15 +7,18 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from tests.support.install import install_model, model_ready
-from tests.support.models import SLOW_CONFIG, SLOW_MODEL, SLOW_MODEL_DELAY_S
+from tests.proxy.test_rest import _crash
+from tests.support.install import install_model, model_ready, wait_model_ready
+from tests.support.models import SLOW_CONFIG, SLOW_MODEL, SLOW_MODEL_DELAY_S, write_model
 from tests.support.proxy import ProxyProcess
 from tests.support.triton import TritonServer
+from tritonshare.common.errors import ExitCode
 from tritonshare.common.layout import NodeLayout
 
 
@@ -90,3 +94,45 @@ def test_sigterm_under_load_drains_then_unloads(
     assert code == 0, proxy.log_text()[-3000:]
     assert not layout.model_dir(model_name).exists()
     assert not model_ready(triton, model_name)
+
+
+def test_an_unload_triton_still_serves_past_its_timeout_is_exit_13_with_the_reason(tmp_path: Path) -> None:
+    """The proxy exited 0 whatever its unload came to: a model Triton went on serving, left LOADING, or a Triton
+    that did not answer looked like a clean stop in the pod status. (Here a Triton of its own that polls its
+    repository once an hour: it serves the model long after its folder went.)"""
+    layout = node(tmp_path)
+    write_model(layout.model_dir("kept"))
+    server = TritonServer(repository=layout.repository, log_path=tmp_path / "triton.log", poll_secs=3600).start()
+    try:
+        wait_model_ready(server, "kept")
+        proxy = ProxyProcess("kept", server, layout, tmp_path / "proxy.log", ["--unload-timeout-s", "1"]).start()
+        try:
+            code = proxy.terminate()
+        finally:
+            proxy.stop()
+        assert model_ready(server, "kept")
+    finally:
+        _crash(server)
+    assert code == ExitCode.READINESS_TIMEOUT, proxy.log_text()[-3000:]
+    assert "Triton still serves kept 1s after its folder was removed" in proxy.termination_log.read_text()
+    assert not layout.model_dir("kept").exists()
+
+
+def test_an_unload_triton_does_not_answer_is_exit_16_with_the_reason(tmp_path: Path) -> None:
+    layout = node(tmp_path)
+    write_model(layout.model_dir("m"))
+    gone = TritonServer(repository=layout.repository, log_path=tmp_path / "none.log")  # never started
+    proxy = ProxyProcess("m", gone, layout, tmp_path / "proxy.log", ["--unload-timeout-s", "0.5"]).start()
+    try:
+        assert proxy.terminate() == ExitCode.TRITON_UNAVAILABLE
+    finally:
+        proxy.stop()
+    assert f"stays in the repository: Triton at {gone.url} does not answer" in proxy.termination_log.read_text()
+    assert layout.model_dir("m").is_dir()  # Triton may be starting up, loading it: left for gc
+
+
+def node(root: Path) -> NodeLayout:
+    layout = NodeLayout(repository=root / "models", staging=root / "staging", leases=root / "leases")
+    layout.repository.mkdir()
+    layout.staging.mkdir()
+    return layout

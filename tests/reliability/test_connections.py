@@ -58,11 +58,11 @@ def test_a_grpc_connection_that_sends_nothing_opens_no_connection_to_triton(
 def test_a_few_hundred_silent_connections_do_not_lock_other_clients_out(
     hostile: Hostile, tmp_path: Path, idle_clients: list[socket.socket]
 ) -> None:
-    """Silent or half-sent connections hold a socket each until a timeout (REST: 30 s for a head begun, 300 s
-    idle); at the proxy's soft RLIMIT_NOFILE every new client would be reset at accept. The container gives
-    whatever soft limit it gives (often 1024; each client connection also holds one to Triton), so the proxy
-    lifts its soft limit to the hard one at start-up: here, started with 256 soft / 4096 hard, 300 connections
-    that sent half a request line leave room for everyone else."""
+    """Silent or half-sent connections hold a socket each until a timeout (REST: 30 s for the first head, 75 s
+    idle after a request); at the proxy's soft RLIMIT_NOFILE every new client would be reset at accept. The
+    container gives whatever soft limit it gives (often 1024; each client connection also holds one to Triton),
+    so the proxy lifts its soft limit to the hard one at start-up: here, started with 256 soft / 4096 hard, 300
+    connections that sent half a request line leave room for everyone else."""
     http_port, grpc_port = free_port(), free_port()
     command = ["prlimit", "--nofile=256:4096", "--", *hostile.proxy_command(http_port, grpc_port, tmp_path)]
     with open(tmp_path / "proxy.log", "wb") as log:

@@ -23,7 +23,7 @@ from tritonshare.proxy.policy import GRPC_SERVICE
 
 pytestmark = pytest.mark.triton
 
-LIVE = f"/{GRPC_SERVICE}/ServerLive"  # forwarded to Triton as it is: no model needed
+METADATA = f"/{GRPC_SERVICE}/ServerMetadata"  # forwarded to Triton as it is: no model needed
 DENIED = f"/{GRPC_SERVICE}/RepositoryIndex"  # answered by the proxy itself
 EMPTY_MESSAGE = b"\x00\x00\x00\x00\x00"
 
@@ -38,7 +38,7 @@ def proxy(triton: TritonServer, layout: NodeLayout, tmp_path_factory: pytest.Tem
 
 def serves(proxy: ProxyProcess) -> bool:
     with grpc.insecure_channel(proxy.grpc_url) as channel:
-        return channel.unary_unary(LIVE)(b"", timeout=10) == b"\x08\x01"  # ServerLiveResponse(live=true)
+        return b"triton" in channel.unary_unary(METADATA)(b"", timeout=10)  # ServerMetadataResponse{name: triton}
 
 
 def settings_of(frames: list[tuple[int, int, int, bytes]]) -> dict[int, int]:
@@ -112,13 +112,15 @@ def test_a_client_that_never_reads_stops_being_read(proxy: ProxyProcess) -> None
 def test_streams_past_the_cap_are_refused_and_triton_never_sees_them(proxy: ProxyProcess) -> None:
     client = RawClient(proxy.grpc_port)
     try:
-        client.sock.sendall(b"".join(client.request(2 * i + 1, LIVE) for i in range(130)))  # no message yet: open
+        client.sock.sendall(b"".join(client.request(2 * i + 1, METADATA) for i in range(130)))  # no message yet: open
         got = client.frames(lambda got: sum(f[0] == http2.RST_STREAM for f in got) >= 2, timeout_s=10)
         refused = {sid: int.from_bytes(p, "big") for kind, _, sid, p in got if kind == http2.RST_STREAM}
         assert refused == {257: http2.REFUSED_STREAM, 259: http2.REFUSED_STREAM}
         client.sock.sendall(http2.frame(http2.DATA, http2.END_STREAM, 1, EMPTY_MESSAGE))  # stream 1 ends...
         client.frames(lambda got: any(f[0] == http2.HEADERS and f[1] & http2.END_STREAM for f in got))
-        client.sock.sendall(client.request(261, LIVE) + http2.frame(http2.DATA, http2.END_STREAM, 261, EMPTY_MESSAGE))
+        client.sock.sendall(
+            client.request(261, METADATA) + http2.frame(http2.DATA, http2.END_STREAM, 261, EMPTY_MESSAGE)
+        )
         got = client.frames(lambda got: any(f[2] == 261 and f[1] & http2.END_STREAM for f in got))
         assert [f[0] for f in got if f[2] == 261][-1] == http2.HEADERS  # ...and 261 is served: Triton's trailers
     finally:
@@ -132,7 +134,7 @@ def test_rapid_reset_ends_the_connection_and_the_proxy_serves_on(proxy: ProxyPro
         for batch in range(40):  # up to 20,000 streams, each forwarded to Triton and reset at once
             client.sock.sendall(
                 b"".join(
-                    client.request(2 * (batch * 500 + i) + 1, LIVE)
+                    client.request(2 * (batch * 500 + i) + 1, METADATA)
                     + http2.frame(http2.DATA, 0, 2 * (batch * 500 + i) + 1, EMPTY_MESSAGE)
                     + http2.rst_stream(2 * (batch * 500 + i) + 1, http2.CANCEL)
                     for i in range(500)

@@ -39,7 +39,7 @@ MIB = 1 << 20
 
 # ---------------------------------------------------------------------------------------------- the oracle
 
-FORWARDED_AS_IS = {f"/{GRPC_SERVICE}/ServerLive", f"/{GRPC_SERVICE}/ServerMetadata"}
+FORWARDED_AS_IS = {f"/{GRPC_SERVICE}/ServerMetadata"}  # (the probes are answered by the proxy: never forwarded)
 OWN_REQUESTS: dict[str, Callable[[bytes], Message]] = {
     f"/{GRPC_SERVICE}/ModelReady": pb.ModelReadyRequest.FromString,
     f"/{GRPC_SERVICE}/ModelMetadata": pb.ModelMetadataRequest.FromString,

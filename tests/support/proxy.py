@@ -39,6 +39,11 @@ class ProxyProcess:
         return f"127.0.0.1:{self.grpc_port}"
 
     @property
+    def termination_log(self) -> Path:
+        """Where the proxy writes why it exited non-zero (the pod's terminationMessagePath)."""
+        return self.log_path.with_name(self.log_path.stem + ".termination-log")
+
+    @property
     def pid(self) -> int:
         assert self.process is not None
         return self.process.pid
@@ -69,6 +74,8 @@ class ProxyProcess:
             str(self.layout.repository),
             "--staging",
             str(self.layout.staging),
+            "--termination-log",
+            str(self.termination_log),
             *self.extra_args,
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRITONSHARE_")}

@@ -19,8 +19,9 @@ Order matters (REFERENCE §2):
 4. wait (bounded) until Triton no longer reports the model ready.
 
 What a command exits with (:attr:`UnloadResult.exit_code`): 0 when the model is gone or stays for another
-pod; 13 when Triton kept it LOADING past the deadline; 16 when Triton did not answer — in both the folder is
-left for gc, and this pod's lease is already dropped.
+pod; 13 when Triton kept it LOADING past the deadline, or still served it past the deadline after its folder was
+removed; 16 when Triton did not answer — when the folder is left, for gc, this pod's lease is already dropped.
+:attr:`UnloadResult.reason` says which, in one line (the proxy's termination message).
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class UnloadResult:
     unloaded: bool  # Triton no longer reports the model ready (or could not be asked after the removal)
     kept: bool = False  # not this pod's to remove: another pod's lease is fresh, or this pod holds none
     left: Activity | None = None  # the folder stayed because Triton was LOADING it, or did not answer
+    reason: str = ""  # why it is not done, in one line (empty when done)
 
     @property
     def done(self) -> bool:
@@ -143,7 +145,8 @@ def unload_model(settings: UnloadSettings, *, client: TritonClient | None = None
     if taken.trash is None:
         logger.info("%s is not in %s; nothing to remove", name, settings.layout.repository)
     unloaded = _wait_unloaded(client, name, settings)
-    return UnloadResult(removed=taken.trash is not None, unloaded=unloaded)
+    reason = "" if unloaded else f"Triton still serves {name} {settings.timeout_s:.0f}s after its folder was removed"
+    return UnloadResult(removed=taken.trash is not None, unloaded=unloaded, reason=reason)
 
 
 def _left(settings: UnloadSettings, seen: Activity) -> UnloadResult:
@@ -156,15 +159,14 @@ def _left(settings: UnloadSettings, seen: Activity) -> UnloadResult:
             f"Triton at {settings.triton_url} does not answer, and a Triton that is starting up loads every model "
             "of its repository before it answers, so removing the folder now could hang its start-up"
         )
-    logger.warning(
-        "%s stays in the repository: %s (waited %.0fs)%s — gc removes it once Triton answers and no pod holds a "
-        "lease on it, or run unload again later",
-        settings.layout.model_dir(settings.name),
-        why,
-        settings.timeout_s,
-        "; this pod's lease on it is dropped" if settings.holder is not None else "",
+    dropped = "; this pod's lease on it is dropped" if settings.holder is not None else ""
+    reason = (
+        f"{settings.layout.model_dir(settings.name)} stays in the repository: {why} "
+        f"(waited {settings.timeout_s:.0f}s){dropped} — gc removes it once Triton answers and no pod holds a lease "
+        "on it, or run unload again later"
     )
-    return UnloadResult(removed=False, unloaded=False, left=seen)
+    logger.warning("%s", reason)
+    return UnloadResult(removed=False, unloaded=False, left=seen, reason=reason)
 
 
 @dataclass

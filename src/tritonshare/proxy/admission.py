@@ -2,8 +2,8 @@
 bucket (issue 9, "fairness"). One :class:`Admission` per proxy process, shared by the REST and gRPC front
 ends, so the limits hold for both protocols together.
 
-What happens to an inference request (the routes in :data:`LIMITED_ROUTES`; probes and metadata are never
-limited, so a busy model does not fail its own liveness probe):
+What happens to an inference request (the routes in :data:`LIMITED_ROUTES`; probes are never limited, and
+never reach Triton per request: the proxy answers them, :mod:`tritonshare.proxy.readiness`):
 
 1. ``--rate-limit-rps R`` / ``--rate-limit-burst B``: each request takes a token from a bucket that holds
    at most B tokens and refills at R per second; no token → refused at once ("rate_limited").
@@ -11,6 +11,16 @@ limited, so a busy model does not fail its own liveness probe):
    while it is open). A request that finds every slot taken waits in a FIFO queue of at most
    ``--max-queue M`` (full → refused at once, "queue_full") for at most ``--queue-timeout-s T`` (then
    refused, "queue_timeout"). A freed slot is handed straight to the oldest waiter, so nobody overtakes.
+
+Every other request that reaches Triton — server and model metadata, config, statistics, a model (version)'s
+readiness: :data:`METADATA_ROUTES` — takes a token of a bucket of its own, with the same rate and burst
+(:meth:`Admission.take_metadata_token`), or is refused at once; it takes no slot and never waits, so metadata
+does not queue behind a busy model's inference. Without it a tenant capped at 5 inference requests a second sent
+10k config requests a second to the shared Triton. A bucket of their own rather than the inference bucket: a
+client that reads its model's metadata or config before its calls (PyTriton's ModelClient does) does not
+spend its inference rate on it, nor can a metadata flood starve the tenant's own inference; what the tenant
+can ask of Triton stays bounded, at twice the rate. ``--max-inflight`` alone leaves metadata unbounded: set a
+rate too.
 
 Refusals are HTTP 429 with ``Retry-After`` (REST) or gRPC status RESOURCE_EXHAUSTED (see
 :data:`HTTP_STATUS`, :data:`GRPC_STATUS`).
@@ -56,6 +66,13 @@ GRPC_STATUS = 8  # RESOURCE_EXHAUSTED; also send grpc-retry-pushback-ms (the gRP
 
 # Policy route labels (tritonshare.proxy.policy) that take a slot: the requests that make Triton compute.
 LIMITED_ROUTES = frozenset({"infer", "generate", "generate_stream", "ModelInfer", "ModelStreamInfer"})
+# Policy route labels of the other requests forwarded to Triton: they take a token of the metadata bucket.
+METADATA_ROUTES = frozenset(
+    {
+        *("server_metadata", "model_metadata", "model_ready", "model_config", "model_stats"),
+        *("ServerMetadata", "ModelMetadata", "ModelReady", "ModelConfig", "ModelStatistics"),
+    }
+)
 
 LOG_INTERVAL_S = 10.0
 _SLACK_S = 0.001  # timers may fire up to one clock tick early (asyncio's clock resolution)
@@ -188,9 +205,12 @@ class Admission:
         self.model = model
         self._loop: Scheduler = loop or _running_loop(limits)
         self._max_inflight = limits.max_inflight or sys.maxsize
-        self._bucket = (
-            TokenBucket(limits.rate_limit_rps, limits.burst, self._loop.time) if limits.rate_limit_rps else None
-        )
+        self.rate_limited = limits.rate_limit_rps > 0  # the metadata routes' one check
+        self._bucket: TokenBucket | None = None  # inference
+        self._metadata_bucket: TokenBucket | None = None
+        if self.rate_limited:
+            self._bucket = TokenBucket(limits.rate_limit_rps, limits.burst, self._loop.time)
+            self._metadata_bucket = TokenBucket(limits.rate_limit_rps, limits.burst, self._loop.time)
         self._queue: deque[Ticket] = deque()
         self._timer: Cancellable | None = None
         self.held_bytes = 0  # gRPC DATA held back from Triton for streams waiting for a slot (grpc_admission)
@@ -225,6 +245,15 @@ class Admission:
         else:
             self._wait(ticket)
         return ticket
+
+    def take_metadata_token(self) -> Refusal | None:
+        """A request of :data:`METADATA_ROUTES` takes a token of their bucket now (None), or is refused at once;
+        it takes no slot. Call only when :attr:`rate_limited`."""
+        if self._metadata_bucket is None or self._metadata_bucket.take():
+            return None
+        self.stats.throttled += 1
+        self._log.note()
+        return self._refusals["rate_limited"]
 
     def release(self) -> None:
         """A request holding a slot is over (response complete, stream closed, or failed)."""

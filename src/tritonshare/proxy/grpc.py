@@ -17,7 +17,8 @@ same bytes, so the two stay in step) to read ``:path``, which the policy table j
   (RST_STREAM CANCEL) and the client gets the refusal status. A connection remembers the shape of its last
   clean message (leading fields, last field's header): a message of the same shape is judged with one
   comparison, whatever its tensor contents.
-- READY: answered here from the own model's readiness; DENY / unknown: answered here with
+- READY / LIVE: answered here from the own model's readiness / Triton's liveness as the proxy keeps them (one
+  question to Triton a second, whatever the rate of calls); DENY / unknown: answered here with
   PERMISSION_DENIED / UNIMPLEMENTED (:mod:`tritonshare.proxy.grpc_answers`). Triton never sees these
   streams, so their later frames are dropped (a stream frame for an idle stream is a connection error for
   Triton), client DATA is credited back with a connection WINDOW_UPDATE, and the DATA bytes of local

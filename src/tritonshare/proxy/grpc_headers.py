@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from tritonshare.proxy import http2
-from tritonshare.proxy.admission import LIMITED_ROUTES
+from tritonshare.proxy.admission import LIMITED_ROUTES, METADATA_ROUTES
 from tritonshare.proxy.grpc_admission import StreamGate
 from tritonshare.proxy.grpc_answers import LocalAnswers
 from tritonshare.proxy.grpc_messages import MessageInspector, MessageJudge
@@ -86,6 +86,7 @@ class ClientHeaders:
         self._block_size = 0  # their bytes, frame headers included
         self._block_stream = 0  # their stream
         self._max_streams = state.settings.grpc_max_streams
+        self._metered = METADATA_ROUTES if state.admission.rate_limited else frozenset()
         self._active = streams.active  # forwarded streams open (one dict for the table's life)
         self._new_streams = NewStreams(state, streams, answers, to_client)
         # The last new stream's header block and its rule when it was forwarded with nothing else to check (no
@@ -191,7 +192,8 @@ class ClientHeaders:
         rule = self._new_streams.judge(stream_id, block, unavailable=relay.unavailable, goaway_last=relay.goaway_last)
         if rule is None:
             return False
-        self._forwarded = None if self._auth is not None else (block, rule)  # (tokens: checked for every stream)
+        # (tokens, and a rate limit's metadata tokens, are taken for every stream: judged each time)
+        self._forwarded = None if self._auth is not None or rule.route in self._metered else (block, rule)
         self._forward(stream_id, rule, block)
         return True
 

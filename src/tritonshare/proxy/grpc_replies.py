@@ -1,4 +1,4 @@
-"""The gRPC responses the proxy writes itself: refusals and the own model's readiness.
+"""The gRPC responses the proxy writes itself: refusals and the probes (readiness, liveness).
 
 Every header block here is static-table references and never-indexed literals (:func:`encode_plain`), so
 the client's decoder table — which mirrors Triton's encoder — is left exactly as it was (REFERENCE §6).
@@ -37,9 +37,10 @@ STATUS_LABELS: dict[bytes, str] = {str(code).encode(): name for code, name in ST
 _RESPONSE_HEADERS: tuple[Header, ...] = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 _MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")  # gRPC percent-encoding
 
-# Readiness answers by route: the response message for (not ready, ready).
+# Probe answers by route: the response message for (no, yes). ServerLiveResponse{bool live = 1};
 # ServerReadyResponse{bool ready = 1}; grpc.health.v1.HealthCheckResponse{status = 1: SERVING=1, NOT_SERVING=2}.
-READINESS_MESSAGES: dict[str, tuple[bytes, bytes]] = {
+PROBE_MESSAGES: dict[str, tuple[bytes, bytes]] = {
+    "ServerLive": (b"", b"\x08\x01"),
     "ServerReady": (b"", b"\x08\x01"),
     "HealthCheck": (b"\x08\x02", b"\x08\x01"),
 }

@@ -2,9 +2,10 @@
 
 The policy table (:mod:`tritonshare.proxy.policy`) judges the stream's ``:path``; before its verdict is acted
 on, a block that is malformed, a caller without a valid bearer token (when tokens are on; the probes stay
-open), an unreachable Triton and a drain each have their answer. READY is answered with the own model's
-readiness and DENY refused, here; what is left goes to Triton (the relay forwards it), unless the client already
-has ``grpc_max_streams`` streams open there (REFUSED_STREAM, which clients retry).
+open), an unreachable Triton and a drain each have their answer. READY and LIVE are answered with the own
+model's readiness and Triton's liveness as the proxy keeps them, and DENY refused, here; what is left goes to
+Triton (the relay forwards it), unless the client already has ``grpc_max_streams`` streams open there
+(REFUSED_STREAM, which clients retry).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from tritonshare.proxy import http2
+from tritonshare.proxy.admission import METADATA_ROUTES
 from tritonshare.proxy.auth import MESSAGE as AUTH_MESSAGE
 from tritonshare.proxy.auth import OPEN_GRPC_ROUTES
 from tritonshare.proxy.grpc_answers import LocalAnswers
@@ -20,6 +22,7 @@ from tritonshare.proxy.grpc_streams import PROTOCOL, StreamTable
 from tritonshare.proxy.hpack_codec import HeaderBlock
 from tritonshare.proxy.policy import (
     GRPC_PERMISSION_DENIED,
+    GRPC_RESOURCE_EXHAUSTED,
     GRPC_UNAUTHENTICATED,
     GRPC_UNAVAILABLE,
     GRPC_UNIMPLEMENTED,
@@ -56,10 +59,12 @@ class NewStreams:
         self._to_client = to_client
         self._auth = state.auth
         self._max_streams = state.settings.grpc_max_streams
+        self._metered = METADATA_ROUTES if state.admission.rate_limited else frozenset()  # take a token each
         self._actions: dict[Verdict, Action] = {
             Verdict.ALLOW: self._forwarded,
             Verdict.OWN: self._forwarded,
-            Verdict.READY: self._answer_ready,
+            Verdict.READY: self._answer_probe,
+            Verdict.LIVE: self._answer_probe,
             Verdict.DENY: self._deny,
         }
         # The last block judged and its rule: a client repeats the same block for every call of a method (the
@@ -107,16 +112,23 @@ class NewStreams:
 
     def _forwarded(self, stream_id: int, rule: GrpcRule) -> GrpcRule | None:
         """A stream for Triton, unless the client already has as many open there as the proxy advertises
-        (SETTINGS_MAX_CONCURRENT_STREAMS): refused then, which clients retry."""
-        if len(self._streams.active) < self._max_streams:
-            return rule
-        self._streams.answer_locally(stream_id)
-        self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
-        self._state.refuse(PROTOCOL, rule.route, "unavailable", "too_many_streams")  # as clients report it
-        return None
+        (SETTINGS_MAX_CONCURRENT_STREAMS): refused then, which clients retry; or, with a rate limit, a metadata
+        call finds its bucket empty: RESOURCE_EXHAUSTED, as for inference (``Admission.take_metadata_token``)."""
+        if len(self._streams.active) >= self._max_streams:
+            self._streams.answer_locally(stream_id)
+            self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
+            self._state.refuse(PROTOCOL, rule.route, "unavailable", "too_many_streams")  # as clients report it
+            return None
+        if rule.route in self._metered and (refusal := self._state.admission.take_metadata_token()) is not None:
+            pushback_ms = refusal.retry_after_s * 1000
+            self._answers.refuse_new(
+                stream_id, rule.route, GRPC_RESOURCE_EXHAUSTED, refusal.message, refusal.reason, pushback_ms
+            )
+            return None
+        return rule
 
-    def _answer_ready(self, stream_id: int, rule: GrpcRule) -> None:
-        self._answers.answer_ready(stream_id, rule)
+    def _answer_probe(self, stream_id: int, rule: GrpcRule) -> None:
+        self._answers.answer_probe(stream_id, rule)
 
     def _deny(self, stream_id: int, rule: GrpcRule) -> None:
         message = f"{rule.route} is not available to tenants"

@@ -1,8 +1,15 @@
-"""A tiny asyncio HTTP server for ``GET /metrics`` on the metrics port (no framework).
+"""A tiny asyncio HTTP server for the metrics port (no framework): ``GET /metrics``, and the kubelet's probes.
 
 The page is the proxy's own metrics followed by Triton's series for the own model only
 (:mod:`tritonshare.proxy.triton_metrics`, read off the event loop: it blocks up to its timeout).
-Scrapes are rare, so each connection answers one request and closes.
+
+``GET /v2/health/ready`` and ``GET /v2/health/live`` answer as they do on the REST port (the own model's
+readiness, not ready while draining; Triton's liveness; both from the answers the proxy keeps,
+:mod:`tritonshare.proxy.readiness`). The manifests point the readinessProbe here: the REST port holds at most
+``--max-connections`` client connections, and anyone who can reach it could fill them with silent connections,
+making the kubelet's probe one more connection turned away (503) and the pod leave its Service. This port
+serves no tenant and has no such cap; each connection gets one answer and is closed, and one that has not sent
+its request head within :data:`HEAD_TIMEOUT_S` is closed without one.
 """
 
 from __future__ import annotations
@@ -11,20 +18,26 @@ import asyncio
 import logging
 
 from tritonshare.common.errors import cannot_listen
-from tritonshare.proxy.metrics import ProxyMetrics
+from tritonshare.proxy.policy import Verdict
+from tritonshare.proxy.readiness import UNREACHABLE
+from tritonshare.proxy.state import ProxyState
 from tritonshare.proxy.triton_metrics import TritonModelMetrics
 
 logger = logging.getLogger(__name__)
 
+HEAD_TIMEOUT_S = 10.0  # a connection's request head must be in within this
 _CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _MAX_HEAD = 16 * 1024
+_PROBES = {b"/v2/health/ready": Verdict.READY, b"/v2/health/live": Verdict.LIVE}
+_STATUS = {200: b"200 OK", 400: b"400 Bad Request", UNREACHABLE: b"503 Service Unavailable"}
 
 
 class MetricsServer:
     def __init__(
-        self, metrics: ProxyMetrics, host: str, port: int, *, triton_metrics: TritonModelMetrics | None = None
+        self, state: ProxyState, host: str, port: int, *, triton_metrics: TritonModelMetrics | None = None
     ) -> None:
-        self._metrics = metrics
+        self._state = state
+        self._metrics = state.metrics
         self._triton = triton_metrics
         self._host = host
         self._port = port
@@ -50,7 +63,7 @@ class MetricsServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
             writer.write(await self._answer(head[:_MAX_HEAD]))
             await writer.drain()
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
@@ -61,12 +74,26 @@ class MetricsServer:
     async def _answer(self, head: bytes) -> bytes:
         method, _, rest = head.partition(b" ")
         target = rest.split(b" ", 1)[0].split(b"?", 1)[0]
+        probe = _PROBES.get(target)
+        if method == b"GET" and probe is not None:
+            return await self._probe(probe)
         if method not in (b"GET", b"HEAD") or target not in (b"/metrics", b"/metrics/"):
             return _response(b"404 Not Found", b"text/plain", b"not found: try /metrics\n")
         body = self._metrics.exposition()
         if self._triton is not None:
             body += await asyncio.to_thread(self._triton.exposition)
         return _response(b"200 OK", _CONTENT_TYPE, b"" if method == b"HEAD" else body, len(body))
+
+    async def _probe(self, verdict: Verdict) -> bytes:
+        """The answer the REST port gives this probe, without its connection cap (see the module docstring)."""
+        state = self._state
+        if verdict is Verdict.READY and state.draining:
+            return _response(_STATUS[UNREACHABLE], b"text/plain", b"the proxy is shutting down\n")
+        status = await state.probes[verdict].status()
+        if status == 200:
+            return _response(_STATUS[200], b"text/plain", b"")
+        why = b"Triton does not answer\n" if status == UNREACHABLE else b"not %s\n" % verdict.value.encode()
+        return _response(_STATUS.get(status, b"%d Error" % status), b"text/plain", why)
 
 
 def _response(status: bytes, content_type: bytes, body: bytes, length: int | None = None) -> bytes:

@@ -5,12 +5,14 @@ can reach. Default deny: an endpoint or RPC that is not in a table is refused.
 
 Verdicts:
 
-- ``ALLOW``  forward as is (server liveness and metadata).
+- ``ALLOW``  forward as is (server metadata).
 - ``OWN``    forward only when the model named in the path (REST) or in field 1 of the request message
              (gRPC) is exactly the pod's own model; any other name is "not found", without asking Triton,
              so a tenant cannot learn whether another model exists.
 - ``READY``  answer "is MY model ready" instead of Triton's server-wide readiness (strict readiness is
-             false while any tenant's model is broken).
+             false while any tenant's model is broken), from the proxy's kept answer
+             (:mod:`tritonshare.proxy.readiness`): never one question to Triton per request.
+- ``LIVE``   answer Triton's liveness, from the proxy's kept answer likewise.
 - ``DENY``   refuse: repository (load can upload code), shared memory (register maps other memory,
              unregister-all drops everyone's regions), trace, logging, all-model statistics.
 
@@ -30,6 +32,7 @@ class Verdict(Enum):
     ALLOW = "allow"
     OWN = "own"
     READY = "ready"
+    LIVE = "live"
     DENY = "deny"
 
 
@@ -59,7 +62,7 @@ _ANY = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"})
 # named "stats".
 REST_SERVER_ROUTES: dict[str, RestRule] = {
     "/v2": RestRule("server_metadata", Verdict.ALLOW, _GET),
-    "/v2/health/live": RestRule("health_live", Verdict.ALLOW, _GET),
+    "/v2/health/live": RestRule("health_live", Verdict.LIVE, _GET),
     "/v2/health/ready": RestRule("health_ready", Verdict.READY, _GET),
     "/v2/models/stats": RestRule("all_models_stats", Verdict.DENY, _ANY),
     "/v2/trace/setting": RestRule("trace", Verdict.DENY, _ANY),
@@ -172,7 +175,7 @@ class GrpcRule:
 
 
 GRPC_RULES: dict[str, GrpcRule] = {
-    f"/{GRPC_SERVICE}/ServerLive": GrpcRule("ServerLive", Verdict.ALLOW),
+    f"/{GRPC_SERVICE}/ServerLive": GrpcRule("ServerLive", Verdict.LIVE),
     f"/{GRPC_SERVICE}/ServerMetadata": GrpcRule("ServerMetadata", Verdict.ALLOW),
     f"/{GRPC_SERVICE}/ServerReady": GrpcRule("ServerReady", Verdict.READY),
     f"/{HEALTH_SERVICE}/Check": GrpcRule("HealthCheck", Verdict.READY),

@@ -19,8 +19,8 @@ is short: a whole request in one read, its head seen before, goes to Triton in o
 comes whole goes back untouched. Heads are parsed and judged once, memoised by their exact bytes (parsing and
 judging are pure functions of them), and the memo also records whether a head may take that short path; per
 request only the drain state, the body length and the shared-memory marker are looked at. With
-authentication or admission control on, the routes they cover take the general path (the token is checked
-per request, never memoised).
+authentication, admission control or a rate limit on, the routes they cover take the general path (the token is
+checked per request, never memoised; metadata routes take a token of their rate-limit bucket there).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tritonshare.common.errors import cannot_listen
@@ -36,7 +36,8 @@ from tritonshare.proxy import admission, auth
 from tritonshare.proxy.http1 import RequestHead, error_response, parse_request_head, upstream_head
 from tritonshare.proxy.metrics import RouteMeter
 from tritonshare.proxy.overload import Closed, TurnedAway, has_room, over_cap_message
-from tritonshare.proxy.policy import RestDecision, judge_rest
+from tritonshare.proxy.policy import RestDecision, Verdict, judge_rest
+from tritonshare.proxy.readiness import TritonProbe
 from tritonshare.proxy.rest_connection import ClientConnection
 from tritonshare.proxy.rest_requests import WHOLE_BODY_BYTES
 from tritonshare.proxy.rest_upstream import PROTOCOL, UpstreamPool
@@ -45,8 +46,12 @@ from tritonshare.proxy.tls import Handshakes
 
 logger = logging.getLogger(__name__)
 
-HEADER_TIMEOUT_S = 30.0  # a request head must be complete this long after its first byte arrived
-IDLE_TIMEOUT_S = 300.0  # a keep-alive connection without a request for this long is closed
+# A request head must be complete this long after its first byte arrived (a connection's first head: after the
+# connection was accepted, so a silent one is closed then, as gRPC's are, grpc_connection.SILENT_TIMEOUT_S).
+HEADER_TIMEOUT_S = 30.0
+# A keep-alive connection without a request for this long is closed: nginx's keepalive_timeout, which HTTP
+# clients' pools are made to live with. Each idle connection holds a place under --max-connections.
+IDLE_TIMEOUT_S = 75.0
 _SWEEP_S = 1.0  # how often the timeouts are checked
 _HEAD_MEMO = 512  # judged heads kept
 _MEMO_HEAD_BYTES = 4096  # longer heads are not memoised
@@ -62,6 +67,7 @@ class HeadRules:
     max_json_bytes: int
     authenticating: bool  # --auth-token-file is set
     admitting: bool  # admission control is on
+    rate_limiting: bool  # --rate-limit-rps is set: metadata routes take a token too
 
 
 @dataclass(slots=True)
@@ -76,11 +82,13 @@ class Judged:
     json_length: int | None  # JSON bytes at the start of the decoded body; None: all; 0: none (raw binary)
     whole: bool  # forwarded with a plain Content-Length body: if it came with the head, one write
     limited: bool  # takes an admission slot (when admission control is on)
+    metered: bool  # takes a token of the metadata bucket (when rate limiting is on)
     open: bool  # needs no bearer token (when authentication is on)
     quick: bool  # may take the short path, given its whole body without the shared-memory marker
     length: int  # Content-Length (0 without one)
     meter: RouteMeter  # the route's request accounting
     verbatim: bool  # the head for Triton is the client's head, byte for byte: forward the client's bytes as they are
+    probe: TritonProbe | None  # a probe the proxy answers itself, from what it keeps of Triton's answer
 
 
 def judge_head(
@@ -88,11 +96,13 @@ def judge_head(
     rules: HeadRules,
     meter_of: Callable[[str], RouteMeter],
     decisions: dict[tuple[str, str], RestDecision] | None = None,
+    probes: Mapping[Verdict, TritonProbe] | None = None,
 ) -> Judged:
     """Parse a request head (raises :class:`~tritonshare.proxy.http1.HttpError`), judge it, and build what
     forwarding it needs, with the route's meter from ``meter_of``. ``decisions`` memoises the policy's verdicts
     by method and target (heads that differ only in other headers, such as a request id a mesh adds, then skip
-    the policy's path parsing)."""
+    the policy's path parsing). ``probes``: what the verdicts the proxy answers itself (READY, LIVE) are answered
+    from; without them those requests are forwarded."""
     head = parse_request_head(raw, rules.strip)
     key = (head.method, head.target)
     decision = decisions.get(key) if decisions is not None else None
@@ -104,9 +114,13 @@ def judge_head(
             decisions[key] = decision
     route, length = decision.route, head.content_length or 0
     limited, open_ = route in admission.LIMITED_ROUTES, route in auth.OPEN_REST_ROUTES
+    metered = route in admission.METADATA_ROUTES
     meter = meter_of(route)
     if decision.status:
-        return Judged(head, decision, route, b"", False, None, False, limited, open_, False, length, meter, False)
+        return Judged(
+            head, decision, route, b"", False, None, False, limited, metered, open_, False, length, meter, False, None
+        )  # fmt: skip
+    probe = probes.get(decision.rule.verdict) if probes is not None and decision.rule is not None else None
     inspect = decision.rule is not None and decision.rule.inspect and head.has_body
     # Only infer has the binary-tensor extension: generate parses the whole body, whatever the header says.
     json_length = head.inference_header_length if route == "infer" else None
@@ -118,20 +132,24 @@ def judge_head(
         and length <= WHOLE_BODY_BYTES
         and not (inspect and (length > rules.max_json_bytes or (json_length or 0) > length))
         and not (limited and rules.admitting)
+        and not (metered and rules.rate_limiting)
         and (open_ or not rules.authenticating)
+        and probe is None
     )
     upstream = upstream_head(head, decision.upstream_path, rules.host)
     verbatim = upstream == raw + b"\r\n\r\n"
     return Judged(
-        head, decision, route, upstream, inspect, json_length, whole, limited, open_, quick, length, meter, verbatim
-    )
+        head, decision, route, upstream, inspect, json_length, whole, limited, metered, open_, quick, length, meter,
+        verbatim, probe,
+    )  # fmt: skip
 
 
 class RestFrontend:
     """Listens on ``settings.http_port``; one :class:`ClientConnection` per client connection.
 
     ``header_timeout_s`` and ``idle_timeout_s`` bound how long a connection may take to send a request head
-    (else 408 and close) and stay idle between requests (then it is closed)."""
+    (else 408 and close; a connection that sends nothing at all is closed) and stay idle between requests (then
+    it is closed)."""
 
     protocol = PROTOCOL
 
@@ -151,6 +169,7 @@ class RestFrontend:
             max_json_bytes=settings.max_json_bytes,
             authenticating=state.auth is not None,
             admitting=state.admission.active,
+            rate_limiting=state.admission.rate_limited,
         )
         self.max_header_bytes = settings.max_header_bytes
         self.header_timeout_s = header_timeout_s
@@ -218,7 +237,7 @@ class RestFrontend:
         the head's bytes."""
         judged = self.heads.get(raw)
         if judged is None:
-            judged = judge_head(raw, self.rules, self._meter, self.decisions)
+            judged = judge_head(raw, self.rules, self._meter, self.decisions, self.state.probes)
             if len(raw) <= _MEMO_HEAD_BYTES:
                 if len(self.heads) >= _HEAD_MEMO:
                     self.heads.clear()

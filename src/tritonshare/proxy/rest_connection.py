@@ -10,8 +10,9 @@ connection itself: its lifecycle, flow control, timeouts, and Triton's answers.
 Bytes of a next (pipelined) request wait until the response is complete, and while the client is not reading
 what the proxy writes (its write buffer is full: reading from the client pauses too, so refusals the proxy
 answers itself cannot pile up in memory). A request head must be complete within ``header_timeout_s`` of its
-first byte, and a request body may not stop for that long (else 408 and close: slowloris; a stalled body also
-gives back its admission slot); a keep-alive connection idle for ``idle_timeout_s`` is closed
+first byte (the first head: of the connection's accept; one that sends nothing then is closed), and a request
+body may not stop for that long (else 408 and close: slowloris; a stalled body also gives back its admission
+slot); a keep-alive connection idle for ``idle_timeout_s`` is closed
 (:meth:`ClientConnection.expire`, called every second by the front end), and one idle for ``UPSTREAM_IDLE_S``
 gives its connection to Triton back to the pool (idle clients do not each hold one of the shared Triton's).
 """
@@ -30,7 +31,7 @@ from tritonshare.proxy.metrics import BUCKETS
 from tritonshare.proxy.overload import half_close
 from tritonshare.proxy.policy import SHM_MARKER
 from tritonshare.proxy.rest_exchange import Exchange
-from tritonshare.proxy.rest_requests import CLIENT_FULL, RequestPath
+from tritonshare.proxy.rest_requests import CLIENT_FULL, UNAVAILABLE, RequestPath
 from tritonshare.proxy.rest_upstream import CONNECTING, UPSTREAM_FULL, UPSTREAM_IDLE_S, Upstream
 
 if TYPE_CHECKING:
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _OURS = CONNECTING | UPSTREAM_FULL  # pauses that are the proxy's doing, not the client's: no timeout runs
-_UNAVAILABLE = "the inference server is unavailable; retry later"
 _BROKEN = "the inference server closed the connection; retry"
 
 
@@ -185,7 +185,9 @@ class ClientConnection(RequestPath, asyncio.Protocol):
 
     def expire(self, now: float) -> None:
         """The timeout sweep: close a connection whose head is incomplete, or whose body stopped coming, for
-        ``header_timeout_s``, or that is idle for ``idle_timeout_s``."""
+        ``header_timeout_s``, or that is idle for ``idle_timeout_s``. Its first request head must be complete
+        ``header_timeout_s`` after the connection was accepted: a connection that never sends a byte is not
+        an idle keep-alive client, only a place held under ``--max-connections`` (as gRPC's silent ones)."""
         if self.closing:
             return
         ex = self.exchange
@@ -194,13 +196,15 @@ class ClientConnection(RequestPath, asyncio.Protocol):
             self.seen, self.idle_since, self.stalled_since = self.progress, now, None
         elif ex is None and not self.buf:
             idle_s = now - self.idle_since
-            if idle_s >= self.fe.idle_timeout_s:
+            if idle_s >= (self.fe.idle_timeout_s if self.progress else self.fe.header_timeout_s):
                 self._shutdown()
             elif idle_s >= UPSTREAM_IDLE_S and self.upstream is not None and not self.paused:
                 upstream, self.upstream = self.upstream, None  # for whoever needs one; the next request takes one
                 self.fe.pool.give(upstream)
         elif self.stalled_since is None:
-            self.stalled_since = now
+            self.stalled_since = now if self.progress else self.idle_since  # the first head: from the accept
+            if now - self.stalled_since >= self.fe.header_timeout_s:
+                self._time_out(ex)
         elif now - self.stalled_since >= self.fe.header_timeout_s:
             self._time_out(ex)
 
@@ -312,4 +316,4 @@ class ClientConnection(RequestPath, asyncio.Protocol):
         if ex is None or ex.response_done or self.closing:
             self.unpause(CONNECTING)  # nothing waits on Triton now
             return
-        self._give_up(ex, 503, _UNAVAILABLE, "upstream")
+        self._give_up(ex, 503, UNAVAILABLE, "upstream")

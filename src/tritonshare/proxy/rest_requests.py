@@ -8,7 +8,8 @@ After the head is judged, in order: draining (503); the bearer token when authen
 ``WWW-Authenticate``; probes are open; checked per request, never memoised, so a changed token file counts at
 once); the policy verdict; admission control for inference routes when it is on: the request takes a slot of
 the model's :class:`~tritonshare.proxy.admission.Admission`, or waits for one (parked: what the client sends
-meanwhile is kept, up to a bound) and is refused with 429 + ``Retry-After`` if the wait fails. A slot goes back
+meanwhile is kept, up to a bound) and is refused with 429 + ``Retry-After`` if the wait fails; with a rate
+limit, a metadata route takes a token of its own bucket or is refused so at once. A slot goes back
 exactly once (:meth:`RequestPath._settle`): at the end of the response, when Triton fails, when the request is
 refused after admission (its body fails the check), or when the client goes — but a request that Triton got
 whole keeps its slot until Triton has answered it (the response is read and dropped), so clients that give up
@@ -19,12 +20,14 @@ from __future__ import annotations
 import functools
 import logging
 import re
+from time import perf_counter
 from typing import TYPE_CHECKING
 
 from tritonshare.proxy import admission, auth
 from tritonshare.proxy.http1 import CONTINUE, HttpError, error_response
 from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_plain_body
 from tritonshare.proxy.policy import REST_SERVER_ROUTES
+from tritonshare.proxy.readiness import UNREACHABLE, TritonProbe
 from tritonshare.proxy.rest_exchange import Exchange
 from tritonshare.proxy.rest_upstream import PROTOCOL, Upstream
 
@@ -43,6 +46,9 @@ _EMPTY_LINES = re.compile(rb"(?:\r\n)*")
 BACKLOG, ADMISSION, CLIENT_FULL = 4, 8, 16
 
 _REFUSAL_REASONS = {400: "bad_request", 403: "denied", 404: "not_found", 405: "method"}
+_PROBE_OK = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 0\r\n\r\n"  # as Triton answers
+_PROBE_OK_CLOSE = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+UNAVAILABLE = "the inference server is unavailable; retry later"
 _CHALLENGE = b"WWW-Authenticate: " + auth.WWW_AUTHENTICATE + b"\r\n"
 
 
@@ -136,8 +142,16 @@ class RequestPath:
             self.drain_grace = False
             if not judged.head.keep_alive:
                 self.close_after = True
+            if judged.probe is not None:
+                return self._answer_probe(ex, judged.probe, rest)
             if judged.limited and self.state.admission.active and not self._admit(ex, rest):
                 return b""
+            if judged.metered and self.state.admission.rate_limited:
+                refusal = self.state.admission.take_metadata_token()
+                if refusal is not None:
+                    retry = b"Retry-After: %d\r\n" % refusal.retry_after_s
+                    self._refuse(ex, admission.HTTP_STATUS, refusal.message, refusal.reason, headers=retry)
+                    return rest
             return self._forward(ex, rest)
         return rest
 
@@ -285,6 +299,41 @@ class RequestPath:
         self.state.held -= 1
 
     # ------------------------------------------------------------------------------------ answers
+
+    def _answer_probe(self, ex: Exchange, probe: TritonProbe, rest: bytes) -> bytes:
+        """A probe the proxy answers itself (REST ``/v2/health/ready``, ``/v2/health/live``), from what it keeps
+        of Triton's answer: at once, or when the question out to Triton comes back (a body is dropped meanwhile;
+        a pipelined request waits, as behind any response)."""
+        ex.started = perf_counter()
+        head = ex.judged.head
+        if head.has_body:
+            ex.body = RequestBody(ex.judged.length, head.chunked).drop()
+        else:
+            ex.request_done = True
+        probe.ask(functools.partial(self._probed, ex))
+        return rest
+
+    def _probed(self, ex: Exchange, status: int) -> None:
+        """Triton's status for a probe (200: yes) is known: answer it as Triton would (the own model not ready:
+        400; Triton unreachable: 503)."""
+        if ex is not self.exchange or ex.response_done or self.closing:
+            return  # the connection ended meanwhile
+        route = ex.judged.route
+        close = self.close_after or not ex.judged.head.keep_alive
+        if status == 200:
+            self._write(_PROBE_OK_CLOSE if close else _PROBE_OK)
+        else:
+            if status == UNREACHABLE:
+                message = UNAVAILABLE
+            elif route == READY_ROUTE:
+                message = f"model '{self.state.own}' is not ready"
+            else:
+                message = "the inference server is not live"
+            self._write(error_response(status, message, close=close))
+        ex.response_done = True
+        self.state.answered(PROTOCOL, route, str(status), ex.started)
+        if ex.request_done:
+            self._finish()
 
     def _refuse(
         self, ex: Exchange, status: int, message: str, reason: str, *, close: bool = False, headers: bytes = b""

@@ -9,7 +9,9 @@ Shutdown, in order (the pod's terminationGracePeriodSeconds must exceed drain + 
    ``drain_timeout_s`` to finish; what is left is cut;
 4. the model folder is renamed out of the repository and deleted, and the proxy waits (bounded) until
    Triton no longer reports the model ready (:mod:`tritonshare.common.unload`) — unless another pod's lease
-   on the model is fresh, and then the folder stays for it; exit 0.
+   on the model is fresh, and then the folder stays for it; exit 0. If the unload failed (Triton kept the model
+   LOADING, did not answer, or still serves it), the proxy exits with the unload's code (13, 16) and writes
+   why to ``--termination-log``, as ``tritonshare unload`` would exit: the pod status shows it.
 
 While serving, the proxy holds its pod's lease on the model and refreshes it (:mod:`tritonshare.common.lease`):
 if the pod dies without SIGTERM, ``tritonshare gc`` removes the model once the lease expires.
@@ -26,6 +28,7 @@ from collections.abc import Callable
 from tritonshare.common.errors import ExitCode
 from tritonshare.common.lease import Heartbeat, LeaseStore
 from tritonshare.common.repository import read_record
+from tritonshare.common.termination import write_termination_message
 from tritonshare.common.unload import UnloadSettings, unload_model
 from tritonshare.proxy.grpc import GrpcFrontend
 from tritonshare.proxy.metrics_server import MetricsServer
@@ -81,9 +84,7 @@ async def serve(
     state = ProxyState(settings)  # reads the token and TLS files: a bad one stops here, before the lease
     heartbeat = _hold_lease(settings)
     frontends: list[Frontend] = [RestFrontend(state), GrpcFrontend(state)]
-    metrics = MetricsServer(
-        state.metrics, settings.host, settings.metrics_port, triton_metrics=_triton_metrics(settings)
-    )
+    metrics = MetricsServer(state, settings.host, settings.metrics_port, triton_metrics=_triton_metrics(settings))
     for frontend in frontends:
         await frontend.start()
     await metrics.start()
@@ -109,7 +110,7 @@ async def serve(
     if heartbeat is not None:
         heartbeat.stop()
     if settings.unload_on_exit:
-        await asyncio.to_thread(_unload, settings)
+        return await asyncio.to_thread(_unload, settings)
     return ExitCode.OK
 
 
@@ -182,7 +183,8 @@ async def _drain(state: ProxyState, frontends: list[Frontend]) -> None:
     state.admission.close()
 
 
-def _unload(settings: ProxySettings) -> None:
+def _unload(settings: ProxySettings) -> int:
+    """Unload the model; the exit code of it (its reason written as the termination message when not 0)."""
     result = unload_model(
         UnloadSettings(
             name=settings.name,
@@ -200,3 +202,7 @@ def _unload(settings: ProxySettings) -> None:
         result.unloaded,
         result.kept,
     )
+    if result.exit_code != ExitCode.OK:
+        logger.error("exiting with %d: %s", result.exit_code, result.reason)
+        write_termination_message(result.reason, settings.termination_log)
+    return int(result.exit_code)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tritonshare.common import termination
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import DEFAULT_TTL_S, Holder
 
@@ -25,6 +26,7 @@ class ProxySettings:
     drain_timeout_s: float = 30.0
     unload_on_exit: bool = True  # after draining, remove the model folder (the unloader)
     unload_timeout_s: float = 30.0
+    termination_log: Path | None = termination.DEFAULT_PATH  # why the proxy exits non-zero (its unload failed)
     connect_timeout_s: float = 2.0  # to Triton; a refused/timed-out connect answers 503 / UNAVAILABLE
     max_header_bytes: int = 64 * 1024  # request line + headers (REST)
     max_json_bytes: int = 64 * 1024 * 1024  # JSON part of an infer body, held to check it

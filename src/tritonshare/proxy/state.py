@@ -1,4 +1,5 @@
-"""What the proxy's front ends share: settings, the own model's name, readiness, drain state, the
+"""What the proxy's front ends share: settings, the own model's name, the probes it answers itself
+(readiness, liveness), drain state, the
 accounting of requests in flight (for metrics and for draining on SIGTERM), and the optional fairness and
 access controls (issue 9): :attr:`ProxyState.admission`, :attr:`ProxyState.auth`, :attr:`ProxyState.tls`.
 
@@ -6,7 +7,7 @@ Front ends account a forwarded request on its route's meter (``state.metrics.met
 :meth:`~tritonshare.proxy.metrics.RouteMeter.begin` when it is forwarded,
 :meth:`~tritonshare.proxy.metrics.RouteMeter.end` when its response is complete or it failed), which also
 counts it in flight for the drain; refusals the proxy answers itself go through :meth:`ProxyState.refuse`, and
-other answers it gives itself (readiness) through :meth:`ProxyState.answered`.
+other answers it gives itself (the probes) through :meth:`ProxyState.answered`.
 
 Build it inside the running event loop (admission control schedules on it). The access-control files are
 read here, so a bad ``--auth-token-file`` or ``--tls-cert`` stops the proxy before it listens.
@@ -21,7 +22,8 @@ from typing import Protocol
 from tritonshare.proxy.admission import Admission, AdmissionLimits
 from tritonshare.proxy.auth import BearerTokens
 from tritonshare.proxy.metrics import ProxyMetrics
-from tritonshare.proxy.readiness import Readiness
+from tritonshare.proxy.policy import Verdict
+from tritonshare.proxy.readiness import TritonProbe
 from tritonshare.proxy.settings import ProxySettings
 from tritonshare.proxy.tls import TlsCertificates
 
@@ -50,19 +52,16 @@ class Frontend(Protocol):
 
 
 class ProxyState:
-    def __init__(
-        self, settings: ProxySettings, *, metrics: ProxyMetrics | None = None, readiness: Readiness | None = None
-    ) -> None:
+    def __init__(self, settings: ProxySettings, *, metrics: ProxyMetrics | None = None) -> None:
         self.settings = settings
         self.own = settings.name
         self.own_bytes = settings.name.encode()
         self.metrics = metrics or ProxyMetrics(settings.name)
-        self.readiness = readiness or Readiness(
-            settings.triton_url,
-            settings.name,
-            ttl_s=settings.readiness_interval_s,
-            timeout_s=settings.connect_timeout_s,
-        )
+        kept = {"ttl_s": settings.readiness_interval_s, "timeout_s": settings.connect_timeout_s}
+        self.readiness = TritonProbe.readiness(settings.triton_url, settings.name, **kept)
+        self.liveness = TritonProbe.liveness(settings.triton_url, **kept)
+        # What the probes the proxy answers itself (policy verdicts READY and LIVE) are answered from.
+        self.probes: dict[Verdict, TritonProbe] = {Verdict.READY: self.readiness, Verdict.LIVE: self.liveness}
         registry = self.metrics.registry
         self.admission = Admission(_limits(settings), model=settings.name, registry=registry)
         self.auth = BearerTokens(settings.auth_token_file, registry=registry) if settings.auth_token_file else None
@@ -81,7 +80,7 @@ class ProxyState:
         self.metrics.observe(protocol, route, code, 0.0)
 
     def answered(self, protocol: str, route: str, code: str, started: float) -> None:
-        """A request the proxy answered itself that is not a refusal (the own model's readiness)."""
+        """A request the proxy answered itself that is not a refusal (a probe)."""
         self.metrics.observe(protocol, route, code, time.perf_counter() - started)
 
     async def wait_idle(self, timeout_s: float) -> bool:

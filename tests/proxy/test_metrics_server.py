@@ -1,0 +1,62 @@
+"""The metrics port's probes, against the real Triton: where the kubelet asks ``/v2/health/ready`` (the
+manifests' readinessProbe), because the REST port holds at most ``--max-connections`` client connections and
+anyone who reaches it can fill them with connections that never send a byte."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests.proxy.conftest import RecordingModel, ServedModels
+from tests.proxy.test_overload import LIVE, _metric, _until
+from tests.proxy.test_rest import Raw
+from tests.proxy.test_rest_access import get, infer
+from tests.support.proxy import ProxyProcess
+
+pytestmark = pytest.mark.triton
+
+
+def test_the_probes_on_the_metrics_port_answer_while_silent_connections_fill_the_rest_port(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
+) -> None:
+    proxy = start_proxy(served_models.own, "--no-unload", "--max-connections", "4")
+    silent = [socket.create_connection(("127.0.0.1", proxy.http_port)) for _ in range(4)]  # no token, no byte
+    try:
+        _until(lambda: _metric(proxy, "tritonshare_proxy_client_connections", protocol="rest") == 4)
+        with Raw(proxy.http_port) as turned_away:  # the REST port's probe is one connection too many
+            assert turned_away.send(LIVE).response()[0] == 503
+        assert get(proxy.metrics_port, "/v2/health/ready")[0] == 200
+        assert get(proxy.metrics_port, "/v2/health/live")[0] == 200
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+def test_the_metrics_port_says_not_ready_for_a_model_triton_does_not_serve(
+    start_proxy: Callable[..., ProxyProcess],
+) -> None:
+    proxy = start_proxy("never-installed", "--no-unload")
+    status, _, body = get(proxy.metrics_port, "/v2/health/ready")
+    assert (status, body) == (400, b"not ready\n")
+    assert get(proxy.metrics_port, "/v2/health/live")[0] == 200  # Triton is live all the same
+
+
+def test_the_metrics_port_says_not_ready_from_the_moment_a_drain_begins(
+    start_proxy: Callable[..., ProxyProcess], recording_model: Callable[[float], RecordingModel]
+) -> None:
+    model = recording_model(3.0)
+    proxy = start_proxy(model.name, "--no-unload", "--drain-timeout-s", "20")
+    assert get(proxy.metrics_port, "/v2/health/ready")[0] == 200
+    running = threading.Thread(target=infer, args=(proxy.http_port, model.name, 1.0))  # keeps the drain going
+    running.start()
+    time.sleep(0.5)
+    assert proxy.process is not None
+    proxy.process.send_signal(15)
+    _until(lambda: get(proxy.metrics_port, "/v2/health/ready")[0] == 503, timeout_s=2)
+    assert proxy.process.poll() is None  # still draining: the probe says so before the proxy goes
+    running.join()
+    assert proxy.process.wait(timeout=60) == 0
