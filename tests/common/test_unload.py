@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.install import begin_load, install_model, lease_lock_is_free, model_ready, wait_model_ready
+from tests.support.install import install_model, lease_lock_is_free, model_ready, wait_loading, wait_model_ready
 from tests.support.models import SLOW_START_MODEL, write_model
 from tests.support.ports import free_port
 from tests.support.triton import TritonServer
@@ -95,28 +95,25 @@ def test_unload_deletes_the_folder_once_names_lock_is_released(
 
 
 def test_a_load_begun_while_unload_waited_for_the_lock_keeps_the_folder(
-    explicit_triton: tuple[TritonServer, NodeLayout], model_name: str
+    triton: TritonServer, layout: NodeLayout, model_name: str
 ) -> None:
     """Triton is asked again under NAME's lock: the wait before it may have seen a quiet Triton that began
-    loading NAME while the lock was held (removing the folder then would cut the load from under Triton)."""
-    server, layout = explicit_triton
-    folder = publish(layout, model_name, model_py=SLOW_START_MODEL)
+    loading NAME while the lock was held (removing the folder then would cut the load from under Triton).
+    The polling Triton: in explicit mode Triton 2.51's index call can block until a load ends."""
     leases = LeaseStore(layout.leases)
     leases.acquire(model_name, POD_A)
     results: list[unload.UnloadResult] = []
-    settings = unload_settings(layout, server.url, model_name, POD_A, timeout_s=1)
+    settings = unload_settings(layout, triton.url, model_name, POD_A, timeout_s=1)
     with leases.lock(model_name):
+        folder = publish(layout, model_name, model_py=SLOW_START_MODEL)  # Triton loads it at its next poll
         unloading = threading.Thread(target=lambda: results.append(unload_model(settings)))
-        unloading.start()
-        time.sleep(0.5)  # it found Triton quiet (nothing loads NAME yet) and waits for the lock
-        loading = begin_load(server, model_name)
+        unloading.start()  # it finds Triton quiet (most often: the poll is up to 1 s away) and waits for the lock
+        wait_loading(triton, model_name)
     unloading.join()
-    loading.join()
     assert results[0].left is Activity.LOADING and results[0].exit_code == ExitCode.READINESS_TIMEOUT
     assert folder.is_dir() and leases.leases(model_name) == []  # left for gc; this pod's lease is dropped
-    client = TritonClient(server.url)
-    assert client.model_ready(model_name)  # the load was not cut from under Triton
-    assert request_unload(client, model_name)
+    wait_model_ready(triton, model_name)  # the load was not cut from under Triton
+    assert unload_model(unload_settings(layout, triton.url, model_name, None, timeout_s=30)).removed
 
 
 def test_unload_while_triton_starts_up_leaves_the_folder_it_is_loading_and_triton_comes_up(tmp_path: Path) -> None:

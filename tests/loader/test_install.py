@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.install import begin_load, lease_lock_is_free
+from tests.support.install import lease_lock_is_free, wait_loading, wait_model_ready
 from tests.support.models import SLOW_START_MODEL, write_model
 from tests.support.ports import free_port
 from tests.support.triton import TritonServer
@@ -162,25 +162,23 @@ def test_withdraw_deletes_once_names_lock_is_released_and_forgets_dead_pods_leas
 
 
 def test_a_load_begun_while_withdraw_waited_for_the_lock_keeps_the_folder(
-    explicit_triton: tuple[TritonServer, NodeLayout], model_name: str
+    triton: TritonServer, layout: NodeLayout, model_name: str
 ) -> None:
     """Triton is asked again under NAME's lock: the wait before it may have seen a quiet Triton that began
-    loading NAME while the lock was held (removing the folder then would cut the load from under Triton)."""
-    server, node = explicit_triton
-    staged = write_model(node.staging / f"{model_name}.test", model_py=SLOW_START_MODEL)
-    folder = install(node, staged, record(name=model_name)).path
-    client = TritonClient(server.url)
+    loading NAME while the lock was held (removing the folder then would cut the load from under Triton).
+    The polling Triton: in explicit mode Triton 2.51's index call can block until a load ends."""
+    client = TritonClient(triton.url)
     outcome: list[Withdrawal] = []
-    with LeaseStore(node.leases).lock(model_name):
-        withdrawing = threading.Thread(target=lambda: outcome.append(withdraw(node, model_name, client, timeout_s=1)))
-        withdrawing.start()
-        time.sleep(0.5)  # it found Triton quiet (nothing loads NAME yet) and waits for the lock
-        loading = begin_load(server, model_name)
+    staged = write_model(layout.staging / f"{model_name}.test", model_py=SLOW_START_MODEL)
+    with LeaseStore(layout.leases).lock(model_name):
+        folder = install(layout, staged, record(name=model_name)).path  # Triton loads it at its next poll
+        withdrawing = threading.Thread(target=lambda: outcome.append(withdraw(layout, model_name, client, timeout_s=1)))
+        withdrawing.start()  # it finds Triton quiet (most often: the poll is up to 1 s away) and waits for the lock
+        wait_loading(triton, model_name)
     withdrawing.join()
-    loading.join()
     assert outcome == [Withdrawal.LOADING] and folder.is_dir()
-    assert client.model_ready(model_name)  # the load was not cut from under Triton
-    assert client.unload(model_name).status == 200
+    wait_model_ready(triton, model_name)  # the load was not cut from under Triton
+    assert withdraw(layout, model_name, client, timeout_s=30) is Withdrawal.REMOVED
 
 
 def test_urls_naming_other_objects_by_their_query_are_other_installs_re_signed_ones_the_same() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -49,17 +48,13 @@ def wait_model_ready(triton: TritonServer, name: str, *, timeout_s: float = 60) 
     raise TimeoutError(f"model {name} not ready after {timeout_s}s; Triton log:\n{triton.log_tail()}")
 
 
-def begin_load(triton: TritonServer, name: str, *, timeout_s: float = 30) -> threading.Thread:
-    """Ask an explicit-mode Triton to load NAME (say, :data:`~tests.support.models.SLOW_START_MODEL`) from a
-    thread; returns that thread once Triton's index says LOADING for NAME."""
-    client = TritonClient(triton.url, timeout_s=120)
-    loading = threading.Thread(target=client.load, args=(name,), daemon=True)
-    loading.start()
+def wait_loading(triton: TritonServer, name: str, *, timeout_s: float = 30) -> None:
+    """Return once Triton's index says LOADING for NAME (a folder just published, at Triton's next poll)."""
+    client = TritonClient(triton.url)
     deadline = time.monotonic() + timeout_s
     while not any(s.state == "LOADING" for s in client.model_states(name)):
         assert time.monotonic() < deadline, f"Triton never said LOADING for {name}: {client.model_states(name)}"
-        time.sleep(0.05)
-    return loading
+        time.sleep(0.02)
 
 
 def lease_lock_is_free(layout: NodeLayout, name: str) -> bool:
