@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
-from tritonshare.cli import _reinstall_settings
+from tritonshare.cli import _reinstall_settings, main
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import Holder
 from tritonshare.proxy.settings import ProxySettings
@@ -40,3 +41,19 @@ def test_a_proxys_reinstall_takes_the_loaders_options_from_the_pods_variables(
     assert (loader.download_timeout_s, loader.require_gpu_memory_mib) == (120.0, 2048)
     assert (loader.holder, loader.lease_ttl_s) == (holder, 90)
     assert loader.termination_log is None  # the proxy's termination message is its own exit's
+
+
+@pytest.mark.parametrize("url", ["ftp://x", "", "http://", "http://127.0.0.1:99999", "http://127.0.0.1:0"])
+@pytest.mark.parametrize("command", [["load", "/models/m"], ["unload"], ["gc", "--once"]])
+def test_a_triton_url_that_cannot_be_one_is_a_usage_error(command: list[str], url: str) -> None:
+    """Not a traceback and exit 1 ("a bug") on the first call to Triton: exit 2 naming the option."""
+    name = [] if command[0] == "gc" else ["--name", "m"]
+    result = CliRunner().invoke(main, [*command, *name, "--triton-url", url])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--triton-url'" in result.output and "is not http(s)://HOST[:PORT]" in result.output
+
+
+@pytest.mark.parametrize("address", ["not a host", "127.0.0.1", ":8001", "host:port", "host:70000"])
+def test_a_triton_grpc_address_that_is_not_host_port_is_a_usage_error(address: str) -> None:
+    result = CliRunner().invoke(main, ["proxy", "--name", "m", "--triton-grpc", address])
+    assert result.exit_code == 2 and "is not HOST:PORT" in result.output, result.output

@@ -24,6 +24,7 @@ from tritonshare.common.command import (
     run_command,
     staging_option,
     termination_log_option,
+    triton_url_option,
 )
 from tritonshare.common.errors import TritonshareError
 from tritonshare.common.layout import (
@@ -32,6 +33,7 @@ from tritonshare.common.layout import (
 )
 from tritonshare.common.lease import DEFAULT_TTL_S, Holder
 from tritonshare.common.logs import configure_logging
+from tritonshare.common.triton import check_host_port
 from tritonshare.node.commands import advertise
 from tritonshare.node.gc_command import gc
 
@@ -53,11 +55,18 @@ def common_options(fn: F) -> F:
             option("--name", required=True, callback=_name, help="Model name: its folder in the repository."),
             repository_option,
             staging_option,
-            option("--triton-url", default="http://127.0.0.1:8000", help="Triton's HTTP endpoint."),
+            triton_url_option(),
         ]
     ):
         fn = decorator(fn)
     return fn
+
+
+def _host_port(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    try:
+        return check_host_port(value)
+    except TritonshareError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
 
 def _pod_uid(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
@@ -236,7 +245,7 @@ def unload(
 @main.command()
 @common_options
 @lease_options
-@option("--triton-grpc", default="127.0.0.1:8001", help="Triton's gRPC endpoint (HOST:PORT).")
+@option("--triton-grpc", default="127.0.0.1:8001", callback=_host_port, help="Triton's gRPC endpoint (HOST:PORT).")
 @option("--host", default="0.0.0.0", help="Address the proxy listens on.")
 @option("--http-port", type=click.IntRange(0, 65535), default=9000, help="REST (KServe v2) port.")
 @option("--grpc-port", type=click.IntRange(0, 65535), default=9001, help="gRPC port.")

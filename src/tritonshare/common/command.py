@@ -19,9 +19,10 @@ from typing import Any, TypeVar
 
 import click
 
-from tritonshare.common.errors import ExitCode, TritonshareError
+from tritonshare.common.errors import ExitCode, TritonshareError, UsageError
 from tritonshare.common.layout import DEFAULT_LEASES, DEFAULT_REPOSITORY, DEFAULT_STAGING
 from tritonshare.common.termination import DEFAULT_PATH, write_termination_message
+from tritonshare.common.triton import check_triton_url
 
 logger = logging.getLogger("tritonshare")
 
@@ -73,6 +74,17 @@ termination_log_option = option(
     default=DEFAULT_PATH,
     help="Where the one-line failure reason goes (Kubernetes terminationMessagePath).",
 )
+
+
+def _triton_url(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    try:
+        return check_triton_url(value)
+    except UsageError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
+def triton_url_option(help: str = "Triton's HTTP endpoint.") -> Callable[[F], F]:  # noqa: A002 (click's word)
+    return option("--triton-url", default="http://127.0.0.1:8000", callback=_triton_url, help=help)
 
 
 # The signals that stop a command, and the exit code each ends it with (128 + N, as a shell reports it).

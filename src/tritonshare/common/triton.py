@@ -15,7 +15,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from tritonshare.common.errors import TritonUnavailable, clip
+from tritonshare.common.errors import TritonUnavailable, UsageError, clip
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +53,10 @@ class TritonClient:
     :class:`TritonUnavailable` naming the URL."""
 
     def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
-        parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
-            raise ValueError(f"Triton URL {url!r} is not http(s)://HOST[:PORT]")
+        parsed = _split(url)
         self.url = url
         self._https = parsed.scheme == "https"
-        self._host = parsed.hostname
+        self._host = parsed.hostname or ""
         self._port = parsed.port or (443 if self._https else 80)
         self.timeout_s = timeout_s
 
@@ -109,6 +107,32 @@ class TritonClient:
 
     def unload(self, name: str) -> Reply:
         return self.request("POST", f"/v2/repository/models/{_quote(name)}/unload", b"{}")
+
+
+def check_triton_url(url: str) -> str:
+    """``url`` if it can name Triton's HTTP endpoint (``http(s)://HOST[:PORT]``, or ``HOST:PORT``); else
+    UsageError (exit 2) saying what is wrong."""
+    _split(url)
+    return url
+
+
+def check_host_port(address: str, what: str = "Triton's gRPC endpoint") -> str:
+    """``address`` if it is ``HOST:PORT`` (``[v6]:PORT`` too); else UsageError."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"{what} {address!r} is not HOST:PORT (e.g. 127.0.0.1:8001)")
+    return address
+
+
+def _split(url: str) -> urllib.parse.SplitResult:
+    parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    try:
+        port = parsed.port
+    except ValueError:
+        port = -1
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or port == -1 or port == 0:
+        raise UsageError(f"Triton URL {url!r} is not http(s)://HOST[:PORT] (e.g. http://127.0.0.1:8000)")
+    return parsed
 
 
 def _quote(name: str) -> str:

@@ -18,6 +18,7 @@ from tritonshare.common.command import (
     run_command,
     staging_option,
     termination_log_option,
+    triton_url_option,
 )
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import DEFAULT_TTL_S
@@ -25,7 +26,7 @@ from tritonshare.common.lease import DEFAULT_TTL_S
 
 @click.command()
 @options(repository_option, staging_option, leases_option)
-@option("--triton-url", default="http://127.0.0.1:8000", help="Triton's HTTP endpoint (asked what is LOADING).")
+@triton_url_option("Triton's HTTP endpoint (asked what is LOADING).")
 @option(
     "--lease-ttl-s",
     type=click.FloatRange(min=1),
