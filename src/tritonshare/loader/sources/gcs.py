@@ -20,6 +20,7 @@ stored (``Accept-Encoding: gzip``: no decompressive transcoding), which is what 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -46,6 +47,8 @@ from tritonshare.loader.sources.base import (
 from tritonshare.loader.sources.stream import Body, Part, fetch_stream
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, transport_error
 
+logger = logging.getLogger(__name__)
+
 LIST_TIMEOUT_S = 60.0
 MAX_LISTING_BYTES = 64 << 20
 MAX_ERROR_BYTES = 64 << 10
@@ -68,8 +71,9 @@ class GoogleAuth:
     """The ``Authorization`` header for GCS requests: Application Default Credentials, refreshed as they
     expire; none (anonymous) when there are none. Thread-safe."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, *, environ: Mapping[str, str] = os.environ) -> None:
         self._what = what
+        self._key_file = environ.get("GOOGLE_APPLICATION_CREDENTIALS", "")  # google-auth reads it from os.environ
         self._credentials: Any = None
         self._request: Any = None
         self._resolved = False
@@ -78,7 +82,7 @@ class GoogleAuth:
     def headers(self) -> dict[str, str]:
         with self._lock:
             if not self._resolved:
-                self._credentials, self._request = _default_credentials(self._what)
+                self._credentials, self._request = _default_credentials(self._what, self._key_file)
                 self._resolved = True
             if self._credentials is None:
                 return {}
@@ -90,14 +94,23 @@ class GoogleAuth:
             return headers
 
 
-def _default_credentials(what: str) -> tuple[Any, Any]:
+def _default_credentials(what: str, key_file: str) -> tuple[Any, Any]:
+    """Application Default Credentials, else (None, None): anonymous. A ``GOOGLE_APPLICATION_CREDENTIALS``
+    file that is set but cannot be used is an error: falling back to anonymous would hide it behind a 403,
+    or read a public copy of the bucket instead."""
     import google.auth
     import google.auth.transport.requests
     from google.auth.exceptions import DefaultCredentialsError
 
     try:
         credentials, _ = google.auth.default(scopes=[READ_ONLY_SCOPE])
-    except DefaultCredentialsError:
+    except DefaultCredentialsError as exc:
+        if key_file:
+            raise SourceAccessDenied(
+                f"{what}: GOOGLE_APPLICATION_CREDENTIALS={key_file} cannot be used ({clip(str(exc))}) — mount the "
+                "service account key file there, or unset the variable for anonymous access to a public bucket"
+            ) from exc
+        logger.info("%s: no Google credentials found: anonymous requests", what)
         return None, None  # public buckets need no credentials
     except _auth_errors() as exc:
         raise translate(exc, what) from exc
@@ -118,7 +131,7 @@ class GcsSource:
         self.uri = uri
         self.bucket, self.key = bucket_and_key(uri, "gs://BUCKET/PREFIX")
         self.endpoint, emulated = endpoint_of(environ)
-        self._auth = None if emulated else GoogleAuth(uri)
+        self._auth = None if emulated else GoogleAuth(uri, environ=environ)
         self._transport = transport or Transport()
 
     def list(self) -> Listing:
