@@ -96,6 +96,15 @@ def test_an_object_whose_bytes_no_longer_match_its_crc32c_fails(gcs_server: GcsE
         download(uri, tmp_path)
 
 
+def test_a_wrong_bucket_on_an_emulator_names_the_emulator(gcs_server: GcsEmulator) -> None:
+    source = GcsSource("gs://no-such-bucket/m")
+    with pytest.raises(SourceNotFound) as caught:
+        source.list()
+    source.close()
+    assert f"gs://no-such-bucket/m/: not found at {gcs_server.endpoint}" in str(caught.value)
+    assert "(and STORAGE_EMULATOR_HOST)" in str(caught.value)
+
+
 @pytest.fixture
 def fake_endpoint(http_server: HttpFileServer, monkeypatch: pytest.MonkeyPatch) -> HttpFileServer:
     """An HTTP server posing as the GCS endpoint, to make it refuse, fail or stall."""

@@ -213,7 +213,8 @@ class GcsSource:
         except NETWORK_ERRORS as exc:
             raise network_error(exc, what) from exc
         if response.status >= 300:
-            raise status_error(response, what, pinned="generation" in query)
+            emulator = "" if self.endpoint == PUBLIC_ENDPOINT else self.endpoint
+            raise status_error(response, what, pinned="generation" in query, endpoint=emulator)
         return response
 
 
@@ -234,19 +235,23 @@ def network_error(exc: BaseException, what: str) -> TritonshareError:
     )
 
 
-def status_error(response: Response, what: str, *, pinned: bool = False) -> TritonshareError:
+def status_error(response: Response, what: str, *, pinned: bool = False, endpoint: str = "") -> TritonshareError:
     """A GCS error answer → the error tree (reads and closes the response). ``pinned``: the request named the
     listed generation, whose 404 means the object was replaced since it was listed (S3 answers such a GET 412):
-    transient, as a new listing finds the new generation."""
+    transient, as a new listing finds the new generation. ``endpoint``: STORAGE_EMULATOR_HOST's, named in the
+    message ("" for GCS): a wrong one reads as a wrong bucket. (No "not GCS" guess from a 404's body: the
+    emulator answers a missing bucket with an empty 404, as another web server would.)"""
     body = response.error_body(MAX_ERROR_BYTES)
     status = response.status
     detail = f"HTTP {status} {response.reason}" + (f": {clip(_message(body))}" if body.strip() else "")
+    at = f" at {endpoint}" if endpoint else ""
     if status == 404 and pinned:
         return TransientSourceError(f"{what}: the generation listed is gone ({detail}) — replaced since it was listed")
     if status == 404:
-        return SourceNotFound(f"{what}: not found ({detail}) — check the bucket and the name")
+        hint = "check the bucket and the name" + (" (and STORAGE_EMULATOR_HOST)" if endpoint else "")
+        return SourceNotFound(f"{what}: not found{at} ({detail}) — {hint}")
     if status in (401, 403):
-        return SourceAccessDenied(f"{what}: access denied ({detail}) — {DENIED_HINT}")
+        return SourceAccessDenied(f"{what}: access denied{at} ({detail}) — {DENIED_HINT}")
     if status >= 500 or status in (408, 412, 429):
         return TransientSourceError(f"{what}: the store failed ({detail})")
     return SourceError(f"{what}: the store refused the request ({detail})")
