@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from tests.support.ports import free_port
 from tritonshare.cli import _reinstall_settings, main
+from tritonshare.common.errors import ExitCode
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import Holder
 from tritonshare.proxy.settings import ProxySettings
@@ -57,3 +61,21 @@ def test_a_triton_url_that_cannot_be_one_is_a_usage_error(command: list[str], ur
 def test_a_triton_grpc_address_that_is_not_host_port_is_a_usage_error(address: str) -> None:
     result = CliRunner().invoke(main, ["proxy", "--name", "m", "--triton-grpc", address])
     assert result.exit_code == 2 and "is not HOST:PORT" in result.output, result.output
+
+
+@pytest.mark.parametrize(("source", "said"), [("", "empty"), ("s3:/bucket/x", "did you mean s3://bucket/x?")])
+def test_a_source_that_cannot_be_meant_exits_2_before_triton_is_waited_for(
+    source: str, said: str, tmp_path: Path
+) -> None:
+    for folder in ("r", "s", "l"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "config.pbtxt").write_text('backend: "python"\n')  # the working directory, read as a path
+    cmd = [
+        sys.executable, "-m", "tritonshare.cli", "load", source, "--name", "m", "--repository", str(tmp_path / "r"),
+        "--staging", str(tmp_path / "s"), "--leases", str(tmp_path / "l"), "--triton-url",
+        f"http://127.0.0.1:{free_port()}", "--timeout-s", "5", "--termination-log", str(tmp_path / "termination"),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == ExitCode.USAGE, proc.stderr
+    assert said in proc.stderr
+    assert not (tmp_path / "r" / "m").exists()  # the working directory was not installed

@@ -49,6 +49,16 @@ def _name(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
         raise click.BadParameter(str(exc)) from exc
 
 
+def _source(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    from tritonshare.loader.sources.base import check_uri
+
+    try:
+        check_uri(value)  # before Triton is waited for: an empty SOURCE would install the working directory
+    except TritonshareError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    return value
+
+
 def common_options(fn: F) -> F:
     for decorator in reversed(
         [
@@ -116,7 +126,7 @@ def main(log_format: str, log_level: str) -> None:
 
 
 @main.command()
-@click.argument("source", envvar="TRITONSHARE_SOURCE")
+@click.argument("source", envvar="TRITONSHARE_SOURCE", callback=_source)
 @common_options
 @lease_options
 @option(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from pathlib import Path
@@ -95,6 +96,15 @@ def test_an_object_whose_bytes_no_longer_match_its_crc32c_fails(gcs_server: GcsE
         download(uri, tmp_path)
 
 
+def test_a_wrong_bucket_on_an_emulator_names_the_emulator(gcs_server: GcsEmulator) -> None:
+    source = GcsSource("gs://no-such-bucket/m")
+    with pytest.raises(SourceNotFound) as caught:
+        source.list()
+    source.close()
+    assert f"gs://no-such-bucket/m/: not found at {gcs_server.endpoint}" in str(caught.value)
+    assert "(and STORAGE_EMULATOR_HOST)" in str(caught.value)
+
+
 @pytest.fixture
 def fake_endpoint(http_server: HttpFileServer, monkeypatch: pytest.MonkeyPatch) -> HttpFileServer:
     """An HTTP server posing as the GCS endpoint, to make it refuse, fail or stall."""
@@ -183,3 +193,37 @@ def test_a_big_object_corrupted_in_the_store_fails_its_crc32c_after_parts_and_wh
             download_all(source, list_objects(source, options), tmp_path, options)
     finally:
         source.close()
+
+
+def _no_ambient_google_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NO_GCE_CHECK", "True")  # not on GCE: do not wait for a metadata server
+    monkeypatch.setenv("CLOUDSDK_CONFIG", "/nonexistent")  # no gcloud user credentials either
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"type": "service_account"}'])
+def test_an_unusable_credentials_file_is_access_denied_naming_it_not_anonymous(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, content: str | None
+) -> None:
+    _no_ambient_google_credentials(monkeypatch)
+    key_file = tmp_path / "key.json"  # missing, malformed, or a key without its fields
+    if content is not None:
+        key_file.write_text(content)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key_file))
+    with pytest.raises(
+        SourceAccessDenied,
+        match=rf"gs://private/m: GOOGLE_APPLICATION_CREDENTIALS={key_file} cannot be used .*mount the service account",
+    ):
+        GoogleAuth("gs://private/m").headers()
+
+
+def test_falling_back_to_anonymous_is_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _no_ambient_google_credentials(monkeypatch)
+    auth = GoogleAuth("gs://public-bucket/model")
+    with caplog.at_level(logging.INFO, logger="tritonshare.loader.sources.gcs"):
+        assert auth.headers() == {} and auth.headers() == {}
+    said = [r.getMessage() for r in caplog.records if "anonymous" in r.getMessage()]
+    assert said == ["gs://public-bucket/model: no Google credentials found: anonymous requests"]

@@ -92,3 +92,46 @@ def test_fetch_of_a_file_removed_after_listing_is_not_found(tmp_path: Path) -> N
     (tmp_path / "m" / "gone.bin").unlink()
     with pytest.raises(SourceNotFound, match="gone.bin: no such file"):
         source.fetch(obj, tmp_path / "out.bin", lambda _: None, 5.0)
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [("s3:/bucket/x", "s3://bucket/x"), ("gs:/models/identity", "gs://models/identity"), ("HTTPS:/h/m", "https://h/m")],
+)
+def test_a_uri_with_one_slash_is_a_usage_error_naming_the_uri_meant(
+    typed: str, meant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # were it read as a path, a folder "s3:" here would be copied
+    write(tmp_path / typed.lower() / "config.pbtxt", b"")
+    with pytest.raises(UsageError, match=f"one slash after .* — did you mean {meant}\\?"):
+        open_source(typed)
+
+
+def test_an_unknown_scheme_with_one_slash_names_the_supported_ones() -> None:
+    with pytest.raises(UsageError, match=r"unsupported scheme 'ftp': use one of .*s3://"):
+        open_source("ftp:/host/m")
+
+
+def test_a_file_uri_with_one_slash_is_a_local_path(tmp_path: Path) -> None:
+    write(tmp_path / "m" / "config.pbtxt", b"x")
+    (obj,) = open_source(f"file:{tmp_path}/m").list()
+    assert obj.key == str(tmp_path / "m" / "config.pbtxt")
+
+
+def test_a_local_path_with_a_colon_is_read_when_it_starts_with_dot_slash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "s3:" / "m" / "config.pbtxt", b"x")
+    (obj,) = open_source("./s3:/m").list()
+    assert obj.relpath == "config.pbtxt"
+
+
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_an_empty_source_is_a_usage_error_not_the_working_directory(
+    empty: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "config.pbtxt", b"")
+    with pytest.raises(UsageError, match="source '': empty"):
+        open_source(empty)

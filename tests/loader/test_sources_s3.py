@@ -26,6 +26,7 @@ from tritonshare.common.errors import (
     ExitCode,
     InvalidModel,
     SourceAccessDenied,
+    SourceError,
     SourceNotFound,
     TransientSourceError,
     UsageError,
@@ -99,7 +100,7 @@ def test_an_exact_key_is_one_file_named_by_its_base_name(s3_server: MotoS3) -> N
     [
         ("s3://models/mod", r"s3://models/mod: no such object and no objects under s3://models/mod/"),
         ("s3://models/model/x/", r"no objects under s3://models/model/x/ — check the bucket and the prefix"),
-        ("s3://no-such-bucket/model", r"s3://no-such-bucket/model/: not found \(NoSuchBucket"),
+        ("s3://no-such-bucket/model", r"s3://no-such-bucket/model/: not found at http://127.0.0.1:\d+ \(NoSuchBucket"),
     ],
 )
 def test_nothing_there_is_not_found_and_names_the_uri(
@@ -160,6 +161,13 @@ def test_no_credentials_at_all_is_access_denied(
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     with pytest.raises(SourceAccessDenied, match=r"no usable credentials .*check the pod's credentials"):
         listing(uri)
+
+
+def test_a_wrong_bucket_on_a_custom_endpoint_names_the_endpoint(s3_server: MotoS3) -> None:
+    with pytest.raises(SourceNotFound) as caught:
+        listing("s3://no-such-bucket/model")
+    assert f"not found at {s3_server.endpoint} (NoSuchBucket" in str(caught.value)
+    assert "check the bucket and the key (and AWS_ENDPOINT_URL)" in str(caught.value)
 
 
 @pytest.fixture
@@ -530,3 +538,14 @@ def test_memory_stays_flat_while_a_big_object_comes_in_parts_and_is_hashed(
     assert (tmp_path / "dest" / "weights.bin").read_bytes() == (folder / "weights.bin").read_bytes()
     peak_mib = int(done.stdout.split()[-1]) / 1024  # VmHWM: this process's peak resident set, in KiB
     assert peak_mib < 100, f"peak RSS {peak_mib:.0f} MiB for a 96 MiB object"
+
+
+def test_an_endpoint_that_is_not_s3_is_named_not_taken_for_a_wrong_bucket(
+    fake_endpoint: HttpFileServer, source: S3Source
+) -> None:
+    # AWS_ENDPOINT_URL pointing at some other web server: its 404 carries no S3 error
+    with pytest.raises(SourceError) as caught:
+        source.list()
+    assert not isinstance(caught.value, SourceNotFound)
+    assert f"s3://models/m/: not found at {fake_endpoint.endpoint} (HTTP 404" in str(caught.value)
+    assert "this endpoint does not answer like S3; check AWS_ENDPOINT_URL" in str(caught.value)

@@ -127,18 +127,44 @@ def query_identity(uri: str) -> str:
     return "&".join(sorted(f"{key}={value}" for key, value in pairs if not _SIGNING.fullmatch(key)))
 
 
+# ``scheme:/rest`` without the ``//``: a URI typed with one slash (``s3:/bucket/m``), which read as a path
+# would be a folder ``s3:`` of the working directory, not found — ``file:/path`` (RFC 8089) is a path.
+_ONE_SLASH = re.compile(r"([a-z][a-z0-9+.-]*):/(?!/)", re.IGNORECASE)
+
+
 def scheme_of(uri: str) -> str:
-    """``s3://b/k`` → ``s3``; a plain path → ``file``."""
+    """``s3://b/k`` → ``s3``; ``file:/p`` or a plain path → ``file``."""
     head, sep, _ = uri.partition("://")
     return head.lower() if sep else "file"
 
 
+def check_uri(uri: str) -> None:
+    """Refuse, as a usage error, a SOURCE that cannot be what was meant: an empty one (the working directory,
+    read as a path), or a URI with one slash after its scheme (``s3:/bucket/m``, read as a path)."""
+    if not uri.strip():
+        raise UsageError("source '': empty — give an s3://, gs://, http(s)://, file:// URI or a path")
+    typo = _ONE_SLASH.match(uri)
+    if typo is None or typo.group(1).lower() == "file":
+        return
+    scheme, rest = typo.group(1).lower(), uri[typo.end() :]
+    if scheme in SOURCES:
+        meant = f"did you mean {display_uri(f'{scheme}://{rest}')}?"
+    else:
+        meant = f"unsupported scheme {scheme!r}: use one of {_supported()}"
+    raise UsageError(
+        f"source {display_uri(uri)!r}: one slash after {scheme + ':'!r} — {meant} "
+        "(a local path that looks so: start it with ./)"
+    )
+
+
+def _supported() -> str:
+    return ", ".join(sorted(f"{s}://" for s in SOURCES)) + " or a path"
+
+
 def open_source(uri: str) -> Source:
+    check_uri(uri)
     scheme = scheme_of(uri)
     factory = SOURCES.get(scheme)
     if factory is None:
-        supported = ", ".join(sorted(f"{s}://" for s in SOURCES))
-        raise UsageError(
-            f"source {display_uri(uri)!r}: unsupported scheme {scheme!r} — use one of {supported} or a path"
-        )
+        raise UsageError(f"source {display_uri(uri)!r}: unsupported scheme {scheme!r} — use one of {_supported()}")
     return factory(uri)

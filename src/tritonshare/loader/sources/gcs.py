@@ -20,6 +20,7 @@ stored (``Accept-Encoding: gzip``: no decompressive transcoding), which is what 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -46,6 +47,8 @@ from tritonshare.loader.sources.base import (
 from tritonshare.loader.sources.stream import Body, Part, fetch_stream
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, transport_error
 
+logger = logging.getLogger(__name__)
+
 LIST_TIMEOUT_S = 60.0
 MAX_LISTING_BYTES = 64 << 20
 MAX_ERROR_BYTES = 64 << 10
@@ -68,8 +71,9 @@ class GoogleAuth:
     """The ``Authorization`` header for GCS requests: Application Default Credentials, refreshed as they
     expire; none (anonymous) when there are none. Thread-safe."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, *, environ: Mapping[str, str] = os.environ) -> None:
         self._what = what
+        self._key_file = environ.get("GOOGLE_APPLICATION_CREDENTIALS", "")  # google-auth reads it from os.environ
         self._credentials: Any = None
         self._request: Any = None
         self._resolved = False
@@ -78,7 +82,7 @@ class GoogleAuth:
     def headers(self) -> dict[str, str]:
         with self._lock:
             if not self._resolved:
-                self._credentials, self._request = _default_credentials(self._what)
+                self._credentials, self._request = _default_credentials(self._what, self._key_file)
                 self._resolved = True
             if self._credentials is None:
                 return {}
@@ -90,14 +94,23 @@ class GoogleAuth:
             return headers
 
 
-def _default_credentials(what: str) -> tuple[Any, Any]:
+def _default_credentials(what: str, key_file: str) -> tuple[Any, Any]:
+    """Application Default Credentials, else (None, None): anonymous. A ``GOOGLE_APPLICATION_CREDENTIALS``
+    file that is set but cannot be used is an error: falling back to anonymous would hide it behind a 403,
+    or read a public copy of the bucket instead."""
     import google.auth
     import google.auth.transport.requests
     from google.auth.exceptions import DefaultCredentialsError
 
     try:
         credentials, _ = google.auth.default(scopes=[READ_ONLY_SCOPE])
-    except DefaultCredentialsError:
+    except DefaultCredentialsError as exc:
+        if key_file:
+            raise SourceAccessDenied(
+                f"{what}: GOOGLE_APPLICATION_CREDENTIALS={key_file} cannot be used ({clip(str(exc))}) — mount the "
+                "service account key file there, or unset the variable for anonymous access to a public bucket"
+            ) from exc
+        logger.info("%s: no Google credentials found: anonymous requests", what)
         return None, None  # public buckets need no credentials
     except _auth_errors() as exc:
         raise translate(exc, what) from exc
@@ -118,7 +131,7 @@ class GcsSource:
         self.uri = uri
         self.bucket, self.key = bucket_and_key(uri, "gs://BUCKET/PREFIX")
         self.endpoint, emulated = endpoint_of(environ)
-        self._auth = None if emulated else GoogleAuth(uri)
+        self._auth = None if emulated else GoogleAuth(uri, environ=environ)
         self._transport = transport or Transport()
 
     def list(self) -> Listing:
@@ -200,7 +213,8 @@ class GcsSource:
         except NETWORK_ERRORS as exc:
             raise network_error(exc, what) from exc
         if response.status >= 300:
-            raise status_error(response, what, pinned="generation" in query)
+            emulator = "" if self.endpoint == PUBLIC_ENDPOINT else self.endpoint
+            raise status_error(response, what, pinned="generation" in query, endpoint=emulator)
         return response
 
 
@@ -221,19 +235,23 @@ def network_error(exc: BaseException, what: str) -> TritonshareError:
     )
 
 
-def status_error(response: Response, what: str, *, pinned: bool = False) -> TritonshareError:
+def status_error(response: Response, what: str, *, pinned: bool = False, endpoint: str = "") -> TritonshareError:
     """A GCS error answer → the error tree (reads and closes the response). ``pinned``: the request named the
     listed generation, whose 404 means the object was replaced since it was listed (S3 answers such a GET 412):
-    transient, as a new listing finds the new generation."""
+    transient, as a new listing finds the new generation. ``endpoint``: STORAGE_EMULATOR_HOST's, named in the
+    message ("" for GCS): a wrong one reads as a wrong bucket. (No "not GCS" guess from a 404's body: the
+    emulator answers a missing bucket with an empty 404, as another web server would.)"""
     body = response.error_body(MAX_ERROR_BYTES)
     status = response.status
     detail = f"HTTP {status} {response.reason}" + (f": {clip(_message(body))}" if body.strip() else "")
+    at = f" at {endpoint}" if endpoint else ""
     if status == 404 and pinned:
         return TransientSourceError(f"{what}: the generation listed is gone ({detail}) — replaced since it was listed")
     if status == 404:
-        return SourceNotFound(f"{what}: not found ({detail}) — check the bucket and the name")
+        hint = "check the bucket and the name" + (" (and STORAGE_EMULATOR_HOST)" if endpoint else "")
+        return SourceNotFound(f"{what}: not found{at} ({detail}) — {hint}")
     if status in (401, 403):
-        return SourceAccessDenied(f"{what}: access denied ({detail}) — {DENIED_HINT}")
+        return SourceAccessDenied(f"{what}: access denied{at} ({detail}) — {DENIED_HINT}")
     if status >= 500 or status in (408, 412, 429):
         return TransientSourceError(f"{what}: the store failed ({detail})")
     return SourceError(f"{what}: the store refused the request ({detail})")

@@ -24,8 +24,8 @@ from tritonshare.loader.sources.stream import copy_to_file
 
 
 def path_of(uri: str) -> Path:
-    """``file:///a/b`` or ``file://localhost/a/b`` or ``a/b`` → a local path."""
-    if "://" not in uri:
+    """``file:///a/b``, ``file://localhost/a/b``, ``file:/a/b`` (RFC 8089) or ``a/b`` → a local path."""
+    if "://" not in uri and not uri.lower().startswith("file:/"):
         return Path(uri)
     parts = urlsplit(uri)
     if parts.netloc not in ("", "localhost"):

@@ -116,6 +116,7 @@ class Endpoint:
     base: str  # scheme://host[:port][/path], without the bucket
     region: str
     virtual: bool  # the bucket is part of the host name (AWS), else the first path segment
+    custom: bool = False  # AWS_ENDPOINT_URL's, not AWS: named in errors, as a wrong one reads as a wrong bucket
 
     def locate(self, bucket: str, key: str) -> tuple[str, str, str]:
         """(URL without query, Host header, URI-encoded path as sent and signed) of ``key`` in ``bucket``."""
@@ -132,7 +133,7 @@ def endpoint_for(bucket: str, region: str, environ: Mapping[str, str]) -> Endpoi
         parts = urlsplit(custom)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise UsageError(f"AWS_ENDPOINT_URL {custom!r} is not an http(s) URL — fix AWS_ENDPOINT_URL")
-        return Endpoint(base=custom.rstrip("/"), region=region, virtual=False)
+        return Endpoint(base=custom.rstrip("/"), region=region, virtual=False, custom=True)
     domain = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
     return Endpoint(base=f"https://s3.{region}.{domain}", region=region, virtual=bool(_DNS_BUCKET.fullmatch(bucket)))
 
@@ -283,7 +284,8 @@ class S3Source:
             if response.status < 300:
                 return response
             region = response.header("x-amz-bucket-region") or ""
-            error = status_error(response, what)
+            listing = method == "GET" and not key  # S3 answers a listing's 404 with an XML error, always
+            error = status_error(response, what, endpoint=endpoint.base if endpoint.custom else "", listing=listing)
             if attempt == 1 and region and region != endpoint.region and response.status in (301, 307, 400):
                 self._move_to(region)
                 continue
@@ -393,15 +395,24 @@ def network_error(exc: BaseException, what: str) -> TritonshareError:
     )
 
 
-def status_error(response: Response, what: str) -> TritonshareError:
-    """An S3 error answer → the error tree (reads and closes the response)."""
+def status_error(response: Response, what: str, *, endpoint: str = "", listing: bool = False) -> TritonshareError:
+    """An S3 error answer → the error tree (reads and closes the response). ``endpoint``: AWS_ENDPOINT_URL's,
+    named in the message ("" for AWS); ``listing``: the request listed the bucket, whose 404 S3 always
+    explains with an XML error (NoSuchBucket) — one without is another kind of server."""
     code, message = _error_fields(response.error_body(MAX_ERROR_BYTES))
     status = response.status
     detail = f"{code}: {clip(message or response.reason)}" if code else f"HTTP {status} {response.reason}"
+    at = f" at {endpoint}" if endpoint else ""
+    if not code and status == 404 and endpoint and listing:
+        return SourceError(
+            f"{what}: not found{at} ({detail}, without an S3 error) — this endpoint does not answer like S3; "
+            "check AWS_ENDPOINT_URL"
+        )
     if code in _NOT_FOUND or (not code and status == 404):
-        return SourceNotFound(f"{what}: not found ({detail}) — check the bucket and the key")
+        hint = "check the bucket and the key" + (" (and AWS_ENDPOINT_URL)" if endpoint else "")
+        return SourceNotFound(f"{what}: not found{at} ({detail}) — {hint}")
     if code in _DENIED or status in (401, 403):
-        return SourceAccessDenied(f"{what}: access denied ({detail}) — {DENIED_HINT}")
+        return SourceAccessDenied(f"{what}: access denied{at} ({detail}) — {DENIED_HINT}")
     if code in _TRANSIENT or status >= 500 or status in (408, 412, 429):
         return TransientSourceError(f"{what}: the store failed ({detail})")
     return SourceError(f"{what}: the store refused the request ({detail})")

@@ -21,12 +21,19 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from tritonshare.common.errors import SourceAccessDenied, clip
+from tritonshare.common.errors import SourceAccessDenied, TransientSourceError, TritonshareError, clip
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()  # the payload hash of a request without a body
 ALGORITHM = "AWS4-HMAC-SHA256"
 DEFAULT_REGION = "us-east-1"  # what AWS's SDKs use when none is configured; a bucket elsewhere says so
 DENIED_HINT = "check the pod's credentials (AWS_* or IRSA)"
+TRUST_HINT = "check the role's trust policy for this service account (and the pod's serviceAccountName)"
+TOKEN_HINT = "check the projected token volume and AWS_WEB_IDENTITY_TOKEN_FILE"
+# what STS or a throttled SDK answers when a retry later may succeed
+_STS_TRANSIENT = frozenset(
+    {"Throttling", "ThrottlingException", "RequestLimitExceeded", "ServiceUnavailable", "InternalFailure",
+     "IDPCommunicationError"}
+)  # fmt: skip
 
 Clock = Callable[[], datetime]
 
@@ -57,6 +64,7 @@ class CredentialChain:
 
     def __init__(self, environ: Mapping[str, str], what: str) -> None:
         self._static = from_environment(environ)
+        self._role = environ.get("AWS_ROLE_ARN", "")  # for messages: IRSA's role, when set in the environment
         self._what = what  # the URI, for messages
         self._provider: Any = None
         self._region = ""
@@ -80,7 +88,11 @@ class CredentialChain:
             if self._provider is None:
                 self._provider = self._load()
             provider = self._provider
-        return _frozen(provider, self._what)
+        try:
+            frozen = provider.get_frozen_credentials()  # refreshes temporary credentials when near expiry
+        except Exception as exc:  # botocore's chain raises OSError and ClientError as well as its own
+            raise self._translate(exc) from exc
+        return Credentials(access_key=frozen.access_key, secret_key=frozen.secret_key, token=frozen.token or "")
 
     def _load(self) -> Any:
         import botocore.exceptions
@@ -90,8 +102,8 @@ class CredentialChain:
         try:
             self._region = session.get_config_variable("region") or ""
             provider = session.get_credentials()
-        except botocore.exceptions.BotoCoreError as exc:
-            raise SourceAccessDenied(f"{self._what}: no usable credentials ({clip(str(exc))}) — {DENIED_HINT}") from exc
+        except Exception as exc:  # botocore's chain raises OSError and ClientError as well as its own
+            raise self._translate(exc) from exc
         if provider is None:
             raise SourceAccessDenied(
                 f"{self._what}: no usable credentials (none in the environment, the config files or IRSA) — "
@@ -99,15 +111,33 @@ class CredentialChain:
             )
         return provider
 
+    def _translate(self, exc: Exception) -> TritonshareError:
+        """An error of botocore's credential chain → the error tree: a token file that cannot be read, STS
+        refusing the role (IRSA), STS unreachable or throttled (transient), or no usable credentials."""
+        from botocore import exceptions as boto
 
-def _frozen(provider: Any, what: str) -> Credentials:
-    import botocore.exceptions
-
-    try:
-        frozen = provider.get_frozen_credentials()  # refreshes temporary credentials when near expiry
-    except botocore.exceptions.BotoCoreError as exc:
-        raise SourceAccessDenied(f"{what}: no usable credentials ({clip(str(exc))}) — {DENIED_HINT}") from exc
-    return Credentials(access_key=frozen.access_key, secret_key=frozen.secret_key, token=frozen.token or "")
+        what, detail = self._what, clip(str(exc))
+        role = f"role {self._role}" if self._role else "the role"
+        if isinstance(exc, OSError):
+            name = exc.filename or "a credentials file"
+            reason = exc.strerror or detail
+            return SourceAccessDenied(f"{what}: cannot read {name} for credentials ({reason}) — {TOKEN_HINT}")
+        if isinstance(exc, boto.ClientError):
+            error = exc.response.get("Error", {})
+            code = str(error.get("Code", ""))
+            detail = f"{exc.operation_name}: {code}: {clip(str(error.get('Message', '')))}"
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+            if code in _STS_TRANSIENT or status >= 500 or status == 429:
+                return TransientSourceError(f"{what}: fetching credentials for {role} failed ({detail})")
+            return SourceAccessDenied(f"{what}: STS refused credentials for {role} ({detail}) — {TRUST_HINT}")
+        if isinstance(exc, boto.ConnectionError | boto.HTTPClientError):
+            return TransientSourceError(
+                f"{what}: fetching credentials for {role} failed ({detail}) — check the network to STS "
+                "(AWS_ENDPOINT_URL_STS, AWS_STS_REGIONAL_ENDPOINTS)"
+            )
+        if isinstance(exc, boto.BotoCoreError):
+            return SourceAccessDenied(f"{what}: no usable credentials ({detail}) — {DENIED_HINT}")
+        raise exc  # not the chain's trouble: a bug, shown as one
 
 
 class Signer:
