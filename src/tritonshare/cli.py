@@ -219,6 +219,12 @@ def loader_settings(params: dict[str, Any]) -> LoaderSettings:
     default=60.0,
     help="Bound on each wait: for a LOADING model to settle, and for Triton to stop serving it.",
 )
+@option(
+    "--force",
+    is_flag=True,
+    default=False,
+    help="Without --pod-uid: remove NAME even while pods hold fresh leases on it (they lose their model).",
+)
 def unload(
     name: str,
     repository: Path,
@@ -230,13 +236,16 @@ def unload(
     pod_name: str,
     pod_namespace: str,
     timeout_s: float,
+    force: bool,
 ) -> None:
     """Drop this pod's lease on NAME and, unless another pod still uses it, remove NAME from the repository
-    (rename out, then delete) and wait until Triton unloads it.
+    (rename out, then delete) and wait until Triton unloads it. Without --pod-uid (an operator), NAME is
+    removed only if no pod holds a fresh lease on it, or with --force.
 
-    Exit codes: 0 removed, or kept for another pod; 13 Triton kept it LOADING past --timeout-s; 16 Triton did
-    not answer (it may be starting up and loading it): the folder stays for `tritonshare gc`. In both failure
-    cases this pod's lease is dropped.
+    Exit codes: 0 removed, or kept for another pod; 13 Triton kept it LOADING past --timeout-s; 14 (without
+    --pod-uid) pods hold fresh leases on it, named in the message; 16 Triton did not answer (it may be starting
+    up and loading it): the folder stays for `tritonshare gc`. In the 13 and 16 cases this pod's lease is
+    dropped.
     """
     from tritonshare.common.unload import UnloadSettings, unload_model
 
@@ -247,6 +256,7 @@ def unload(
         lease_ttl_s=lease_ttl_s,
         triton_url=triton_url,
         timeout_s=timeout_s,
+        force=force,
     )
 
     run_command(lambda: unload_model(settings).exit_code)

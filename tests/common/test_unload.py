@@ -75,6 +75,21 @@ def test_unload_judges_another_pods_lease_by_the_default_ttl_at_least(tmp_path: 
     assert result.kept and not result.removed and folder.is_dir()
 
 
+def test_without_a_pod_identity_unload_refuses_a_model_pods_hold_unless_forced(
+    tmp_path: Path, triton: TritonServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator at a shell (no --pod-uid) must not take a model from under the pods serving it by mistake."""
+    layout = node(tmp_path)
+    folder = publish(layout, "m")
+    LeaseStore(layout.leases).acquire("m", Holder(uid="unload-pod-b", name="resnet-b", namespace="team-b"))
+    refused = unload_model(unload_settings(layout, triton.url, "m", None, timeout_s=5))
+    assert refused.exit_code == ExitCode.INSTALL_CONFLICT and not refused.removed and folder.is_dir()
+    assert "in use by team-b/resnet-b (unload-pod-b) (fresh leases)" in refused.reason
+    assert "pass --force" in caplog.text
+    forced = unload_model(dataclasses.replace(unload_settings(layout, triton.url, "m", None, timeout_s=5), force=True))
+    assert forced.removed and forced.exit_code == ExitCode.OK and not folder.exists()
+
+
 def test_unload_deletes_the_folder_once_names_lock_is_released(
     tmp_path: Path, triton: TritonServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -100,7 +100,8 @@ def request_unload(client: TritonClient, name: str) -> bool:
 class UnloadSettings:
     name: str
     layout: NodeLayout
-    holder: Holder | None = None  # this pod; None: remove the folder whoever else holds it
+    holder: Holder | None = None  # this pod; None: an operator, who removes only what no pod holds, or with force
+    force: bool = False  # without a holder: remove the folder even while other pods' leases on it are fresh
     lease_ttl_s: float = DEFAULT_TTL_S
     triton_url: str = "http://127.0.0.1:8000"
     timeout_s: float = 60.0
@@ -114,6 +115,7 @@ class UnloadResult:
     kept: bool = False  # not this pod's to remove: another pod's lease is fresh, or this pod holds none
     left: Activity | None = None  # the folder stayed because Triton was LOADING it, or did not answer
     reason: str = ""  # why it is not done, in one line (empty when done)
+    refused: bool = False  # without a pod identity or --force: other pods' fresh leases kept it
 
     @property
     def done(self) -> bool:
@@ -123,6 +125,8 @@ class UnloadResult:
     def exit_code(self) -> ExitCode:
         if self.left is Activity.UNANSWERED:
             return ExitCode.TRITON_UNAVAILABLE
+        if self.refused:
+            return ExitCode.INSTALL_CONFLICT
         return ExitCode.OK if self.done else ExitCode.READINESS_TIMEOUT
 
 
@@ -139,7 +143,7 @@ def unload_model(settings: UnloadSettings, *, client: TritonClient | None = None
     if taken.trash is not None:
         discard(taken.trash)  # outside NAME's lock: a loader of NAME need not wait behind a large delete
     if verdict is not Release.LAST:
-        return UnloadResult(removed=False, unloaded=False, kept=True)
+        return _kept(settings, taken)
     if taken.left is not None:
         return _left(settings, taken.left)
     if taken.trash is None:
@@ -147,6 +151,17 @@ def unload_model(settings: UnloadSettings, *, client: TritonClient | None = None
     unloaded = _wait_unloaded(client, name, settings)
     reason = "" if unloaded else f"Triton still serves {name} {settings.timeout_s:.0f}s after its folder was removed"
     return UnloadResult(removed=taken.trash is not None, unloaded=unloaded, reason=reason)
+
+
+def _kept(settings: UnloadSettings, taken: _Taken) -> UnloadResult:
+    if taken.in_use_by is None:
+        return UnloadResult(removed=False, unloaded=False, kept=True)
+    reason = (
+        f"{settings.name} stays in the repository: in use by {', '.join(taken.in_use_by)} (fresh leases) — delete "
+        "those pods (their unload removes it), or pass --force to remove it from under them"
+    )
+    logger.warning("%s", reason)
+    return UnloadResult(removed=False, unloaded=False, refused=True, reason=reason)
 
 
 def _left(settings: UnloadSettings, seen: Activity) -> UnloadResult:
@@ -176,6 +191,7 @@ class _Taken:
 
     trash: Path | None = None
     left: Activity | None = None
+    in_use_by: list[str] | None = None  # without a pod identity: the pods whose fresh leases kept it
 
 
 def _release(settings: UnloadSettings, leases: LeaseStore, client: TritonClient) -> tuple[Release, _Taken]:
@@ -194,6 +210,10 @@ def _release(settings: UnloadSettings, leases: LeaseStore, client: TritonClient)
 
     if holder is None:
         with leases.lock(name):
+            users = [str(lease.holder) for lease in leases.fresh(name)]
+            if users and not settings.force:
+                taken.in_use_by = users
+                return Release.SHARED, taken
             remove()
             if taken.left is None:
                 leases.drop(name)

@@ -14,13 +14,13 @@ import enum
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tritonshare.common.errors import InstallConflict
 from tritonshare.common.layout import NodeLayout
-from tritonshare.common.lease import DEFAULT_TTL_S, Holder, LeaseStore, judging_ttl
+from tritonshare.common.lease import DEFAULT_TTL_S, Holder, Lease, LeaseStore, judging_ttl
 from tritonshare.common.repository import InstallRecord, discard, move_out, publish, read_record, write_record
 from tritonshare.common.triton import TritonClient
 from tritonshare.common.unload import Activity, activity, request_unload, wait_quiet
@@ -47,21 +47,32 @@ class Installed:
     reused: bool  # True when NAME already held this install and nothing was published
 
 
-def existing(layout: NodeLayout, wanted: InstallRecord) -> InstallRecord | None:
+def existing(layout: NodeLayout, wanted: InstallRecord, *, users: Sequence[str] = ()) -> InstallRecord | None:
     """The record of ``repository/NAME`` when it holds this very install; None when NAME is free.
-    Raises InstallConflict when it holds anything else."""
+    Raises InstallConflict when it holds anything else, naming ``users`` (the pods that hold it) if given."""
     target = layout.model_dir(wanted.name)
     if not target.exists():
         return None
     found = read_record(target)
     if found is not None and found.same_content(wanted):
         return found
-    raise InstallConflict(_conflict(target, wanted, found))
+    raise InstallConflict(_conflict(target, wanted, found, users))
 
 
-def _conflict(target: Path, wanted: InstallRecord, found: InstallRecord | None) -> str:
+def users(layout: NodeLayout, name: str, holder: Holder | None, lease_ttl_s: float = DEFAULT_TTL_S) -> list[str]:
+    """The pods other than ``holder`` whose leases on NAME are fresh (judged as :func:`withdraw` judges)."""
+    leases = LeaseStore(layout.leases, ttl_s=judging_ttl(lease_ttl_s))
+    return [str(lease.holder) for lease in _fresh_others(leases, name, holder)]
+
+
+def _conflict(target: Path, wanted: InstallRecord, found: InstallRecord | None, users: Sequence[str]) -> str:
     name = wanted.name
     advice = f"unload it first (tritonshare unload --name {name}) or choose another --name"
+    if users:  # following the advice above would take their model from under them
+        advice = (
+            f"it is in use by {', '.join(users)}: choose another --name, or delete those pods first (their unload "
+            "removes it)"
+        )
     if found is None:
         return f"{target} exists but was not installed by tritonshare (no readable record) — {advice}"
     if found.source != wanted.source:
@@ -209,8 +220,12 @@ def take_over(
 
 
 def _held_by_others(leases: LeaseStore, name: str, holder: Holder | None) -> bool:
+    return bool(_fresh_others(leases, name, holder))
+
+
+def _fresh_others(leases: LeaseStore, name: str, holder: Holder | None) -> list[Lease]:
     own = holder.uid if holder is not None else None
-    return any(lease.holder.uid != own for lease in leases.fresh(name))
+    return [lease for lease in leases.fresh(name) if lease.holder.uid != own]
 
 
 def _kept(name: str, outcome: Withdrawal) -> Withdrawal:

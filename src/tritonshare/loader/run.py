@@ -42,7 +42,16 @@ from tritonshare.common.repository import InstallRecord, discard, make_folder, n
 from tritonshare.common.triton import TritonClient
 from tritonshare.loader import sources
 from tritonshare.loader.download import MIB, DownloadOptions, download_all, list_objects, listed_bytes
-from tritonshare.loader.install import Installed, Withdrawal, existing, install, listing_digest, take_over, withdraw
+from tritonshare.loader.install import (
+    Installed,
+    Withdrawal,
+    existing,
+    install,
+    listing_digest,
+    take_over,
+    users,
+    withdraw,
+)
 from tritonshare.loader.model import prepare
 from tritonshare.loader.readiness import BEFORE_PUBLISH, MODES, wait_live
 from tritonshare.loader.settings import LoaderSettings
@@ -185,9 +194,10 @@ def _existing_or_free(settings: LoaderSettings, client: TritonClient, record: In
     try:
         return existing(settings.layout, record)
     except InstallConflict:
-        if not take_over(settings.layout, record, client, holder=settings.holder, lease_ttl_s=settings.lease_ttl_s):
-            raise
-        return None
+        if take_over(settings.layout, record, client, holder=settings.holder, lease_ttl_s=settings.lease_ttl_s):
+            return None
+        in_use_by = users(settings.layout, settings.name, settings.holder, settings.lease_ttl_s)
+        return existing(settings.layout, record, users=in_use_by)  # raises again, naming the pods that use it
 
 
 def _stage(
