@@ -12,7 +12,7 @@ import pytest
 from tests.support.models import BROKEN_MODEL, IDENTITY_CONFIG, write_model
 from tests.support.ports import free_port
 from tests.support.triton import TritonServer
-from tritonshare.common.errors import ExitCode, ReadinessTimeout, TritonLoadFailed
+from tritonshare.common.errors import ExitCode, ReadinessTimeout, TritonLoadFailed, UsageError
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.repository import discard, move_out
 from tritonshare.common.triton import ModelState, TritonClient
@@ -112,11 +112,23 @@ def test_triton_down_is_a_readiness_timeout_naming_the_url() -> None:
         wait_live(TritonClient(url), timeout_s=0.5, interval_s=0.1)
 
 
-def test_explicit_load_against_a_polling_triton_reports_tritons_refusal(
+def test_explicit_load_against_a_polling_triton_is_a_usage_error_not_a_model_failure(
     layout: NodeLayout, client: TritonClient, model_name: str
 ) -> None:
-    with pytest.raises(TritonLoadFailed, match=r"not allowed if polling is enabled"):
+    with pytest.raises(
+        UsageError, match=rf"runs in POLL mode and refuses to load {model_name} when asked — use --mode poll"
+    ):
         load_explicitly(client, model_name, timeout_s=10)
+
+
+@pytest.mark.parametrize("port", ["grpc_port", "metrics_port"])
+def test_a_triton_url_naming_another_of_tritons_ports_is_a_usage_error_at_once(triton: TritonServer, port: str) -> None:
+    """Not ten silent minutes and then "not live" or "still serves an earlier NAME": exit 2, naming the ports."""
+    client = TritonClient(f"http://127.0.0.1:{getattr(triton, port)}")
+    started = time.monotonic()
+    with pytest.raises(UsageError, match=r"--triton-url must name Triton's HTTP port \(8000 by default"):
+        wait_live(client, timeout_s=30, interval_s=0.1)
+    assert time.monotonic() - started < 5
 
 
 class FakeTriton:

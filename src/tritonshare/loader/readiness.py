@@ -19,6 +19,7 @@ Two facts about Triton 2.51's index shape the poll waiter (both seen here):
 
 from __future__ import annotations
 
+import http.client
 import logging
 import time
 from collections.abc import Callable
@@ -26,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from tritonshare.common.errors import ReadinessTimeout, TritonLoadFailed, TritonUnavailable, clip
+from tritonshare.common.errors import ReadinessTimeout, TritonLoadFailed, TritonUnavailable, UsageError, clip
 from tritonshare.common.triton import ModelState, TritonClient
+from tritonshare.common.unload import POLL_REFUSAL
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ STALE_GRACE_S = 30.0  # twice Triton's default --repository-poll-secs (15)
 # model 115 ms (median) after Triton first answered ready when looking every 0.25 s, 67 ms every 0.1 s. A look
 # is one GET of NAME's readiness, plus one read of the repository index while NAME is not ready.
 POLL_INTERVAL_S = 0.1
+SAY_EVERY_S = 30.0  # how often a wait logs what Triton says
 
 
 @dataclass(frozen=True)
@@ -89,15 +92,22 @@ class PollWaiter:
     first_reason: str | None = field(init=False, default=None)
 
     def wait(self) -> None:
-        """Return when NAME is ready; raise TritonLoadFailed or ReadinessTimeout."""
+        """Return when NAME is ready; raise TritonLoadFailed or ReadinessTimeout. Says it waits, and every
+        ``SAY_EVERY_S`` what Triton's index says: a large model takes minutes, which must not look like a hang."""
         self.started = self.clock()
+        said: float | None = None
         while True:
             seen = look(self.client, self.name)
             if seen.ready:
                 return
             self._judge(seen)
-            if self.clock() - self.started >= self.timeout_s:
+            now = self.clock()
+            if now - self.started >= self.timeout_s:
                 raise ReadinessTimeout(self._timeout_message(seen))
+            if said is None or now - said >= SAY_EVERY_S:
+                logger.info("waiting for Triton to load %s (%.0f s of %.0f s): %s", self.name, now - self.started,
+                            self.timeout_s, _state(seen))  # fmt: skip
+                said = now
             self.sleep(self.interval_s)
 
     def _judge(self, seen: Look) -> None:
@@ -127,6 +137,12 @@ class PollWaiter:
         )
 
 
+def _state(seen: Look) -> str:
+    if seen.error:
+        return seen.error
+    return ", ".join(f"version {s.version or '-'} {s.state or 'not yet polled'}" for s in seen.states) or "not listed"
+
+
 def wait_polled(
     client: TritonClient, name: str, *, timeout_s: float, interval_s: float = POLL_INTERVAL_S, reused: bool = False
 ) -> None:
@@ -145,6 +161,10 @@ def load_explicitly(
         if isinstance(exc.__cause__, TimeoutError):
             raise ReadinessTimeout(f"Triton did not finish loading {name} within {timeout_s:g} s") from exc
         raise ReadinessTimeout(f"{name} could not be loaded: {exc}") from exc
+    if POLL_REFUSAL in reply.error_text():  # the model was never tried: "fix the model" (exit 12) would mislead
+        raise UsageError(
+            f"Triton at {client.url} runs in POLL mode and refuses to load {name} when asked — use --mode poll"
+        )
     if reply.status != 200:
         raise TritonLoadFailed(f"Triton failed to load {name}: {reply.error_text()}")
     if not client.model_ready(name):
@@ -219,16 +239,41 @@ def wait_live(
 
     Triton down is a readiness timeout (exit 13), not a load failure (12): Triton never tried the model,
     and the cure is on the node (Triton restarting, a wrong --triton-url), not in the model. Waiting up to
-    the readiness deadline rides out a Triton that starts together with the pod, as on a node's boot.
+    the readiness deadline rides out a Triton that starts together with the pod, as on a node's boot. An
+    answer that cannot be Triton's HTTP endpoint (its gRPC port's HTTP/2, its metrics port's answer to
+    anything) is a usage error at once: no wait makes a wrong --triton-url right.
     """
-    started = clock()
+    started, said = clock(), False
     while True:
         try:
             if client.server_live():
+                check_is_triton(client)
                 return
-            error = "it answers but is not live"
+            error = f"Triton at {client.url} answers, but not that it is live"
         except TritonUnavailable as exc:
+            if isinstance(exc.__cause__, http.client.BadStatusLine):  # not HTTP/1.x: the gRPC port?
+                raise UsageError(f"{client.url} does not answer in HTTP/1.1 (Triton's gRPC port?) — {_PORTS}") from exc
             error = str(exc)
         if clock() - started >= timeout_s:
             raise ReadinessTimeout(f"Triton is not reachable after {clock() - started:.1f} s: {error}")
+        if not said:
+            logger.info("waiting up to %.0f s for Triton at %s to answer: %s", timeout_s, client.url, error)
+            said = True
         sleep(interval_s)
+
+
+_PORTS = "--triton-url must name Triton's HTTP port (8000 by default; its gRPC port is 8001, metrics 8002)"
+
+
+def check_is_triton(client: TritonClient) -> None:
+    """UsageError unless ``GET /v2`` answers as a KServe v2 server does (a JSON object naming its version)."""
+    reply = client.request("GET", "/v2")
+    try:
+        doc = reply.json()
+    except ValueError:
+        doc = None
+    if reply.status != 200 or not isinstance(doc, dict) or "version" not in doc:
+        raise UsageError(
+            f"{client.url} answers, but not as Triton's HTTP endpoint (GET /v2: {reply.status} "
+            f"{clip(reply.body.decode(errors='replace'), 80)!r}) — {_PORTS}"
+        )
