@@ -105,7 +105,7 @@ def test_a_model_that_fits_in_free_gpu_memory_is_loaded_and_served(
     )  # fmt: skip
     assert run(conf) == ExitCode.OK
     infer_identity(triton, model_name)
-    assert metrics_page.hits == 1
+    assert metrics_page.hits == 2  # before the download, and the last look before publishing
 
 
 @pytest.mark.parametrize("asked", [FREE_MIB + 1, 19456])  # 19456: free on the two GPUs together, on neither
@@ -128,6 +128,22 @@ def test_a_model_larger_than_the_freest_gpu_is_not_published(
     )
     assert "tritonshare.io/gpu-memory" in str(error)
     assert not layout.model_dir(model_name).exists()
+
+
+def test_a_model_that_cannot_fit_is_refused_before_anything_is_downloaded(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, metrics_page: MetricsPage
+) -> None:
+    """An init container crash-looping on a full GPU must not download the model at every restart."""
+    conf = settings(
+        layout, triton, write_model(tmp_path / "m"), model_name,
+        require_gpu_memory_mib=FREE_MIB + 1, triton_metrics_url=metrics_page.url,
+    )  # fmt: skip
+
+    def no_download(path: Path) -> int:  # measured right before downloading
+        raise AssertionError("the loader went on to download")
+
+    with pytest.raises(InsufficientSpace, match="the freest of Triton's 2 GPU"):
+        run(conf, disk_free=no_download)
 
 
 def test_triton_without_gpu_memory_metrics_is_a_clear_error(
@@ -200,3 +216,15 @@ def test_the_metrics_page_defaults_to_tritons_host_on_port_8002() -> None:
     assert default_metrics_url("[::1]:8000") == "http://[::1]:8002/metrics"
     conf = LoaderSettings(source="/m", name="m", triton_url="http://10.0.0.7:8000")
     assert metrics_url(conf) == "http://10.0.0.7:8002/metrics"
+
+
+@pytest.mark.parametrize(
+    ("given", "used"),
+    [
+        ("http://10.0.0.7:8002", "http://10.0.0.7:8002/metrics"),  # Triton answers any path: no path read none
+        ("http://10.0.0.7:8002/", "http://10.0.0.7:8002/metrics"),
+        ("http://10.0.0.7:9102/custom/metrics", "http://10.0.0.7:9102/custom/metrics"),
+    ],
+)
+def test_a_metrics_url_without_a_path_gets_tritons_metrics_path(given: str, used: str) -> None:
+    assert metrics_url(LoaderSettings(source="/m", name="m", triton_metrics_url=given)) == used

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from tritonshare.common.errors import InsufficientSpace, TritonUnavailable
 from tritonshare.common.triton_metrics_page import default_metrics_url, fetch_page, samples_named
@@ -62,7 +63,12 @@ def read_gpu_memory(url: str, *, timeout_s: float = METRICS_TIMEOUT_S) -> GpuMem
 
 
 def metrics_url(settings: LoaderSettings) -> str:
-    return settings.triton_metrics_url or default_metrics_url(settings.triton_url)
+    """The metrics page: ``--triton-metrics-url`` (``/metrics`` added to a URL with no path, as Triton serves
+    it there and answers any other path too), else Triton's host on port 8002."""
+    url = settings.triton_metrics_url
+    if not url:
+        return default_metrics_url(settings.triton_url)
+    return url.rstrip("/") + "/metrics" if urlsplit(url).path in ("", "/") else url
 
 
 def check_gpu_memory(settings: LoaderSettings, label: str) -> None:

@@ -12,7 +12,8 @@ Phases, each logged with its duration::
               stream, and the unpacked files must fit in the free space
     unpack    when the source is one archive file that had to land first (a zip, a file on a volume)
     check     find the model root, check it, set config.pbtxt's name
-    gpu       only with --require-gpu-memory-mib: Triton's GPUs have that much free (15)
+    gpu       only with --require-gpu-memory-mib: Triton's GPUs have that much free (15), checked before the
+              download and again before publishing
     publish   record + one rename into repository/NAME
     load      Triton reports it ready (poll) or loaded it (explicit)
 
@@ -181,6 +182,7 @@ def _fetch_and_install(
                 when,
             )
             return Installed(settings.layout.model_dir(settings.name), reused=True)
+        _check_gpu_memory(settings, record.source, timings)  # before downloading: a crash loop must not re-download
         with timings.phase("space"):
             check_space(settings.layout.staging, listed_bytes(objects), free, record.source)
         return _stage(settings, client, source, objects, record, options, timings, free)
@@ -217,11 +219,7 @@ def _stage(
         top = _fetch(_Fetch(source, objects, options, workspace, free, timings))
         with timings.phase("check"):
             root = prepare(top, settings.name, record.source, lenient=settings.config_check == "lenient")
-        if settings.require_gpu_memory_mib:
-            from tritonshare.loader.gpu_check import check_gpu_memory  # prometheus_client: only for this check
-
-            with timings.phase("gpu"):
-                check_gpu_memory(settings, record.source)
+        _check_gpu_memory(settings, record.source, timings)  # again, the last look before publishing
         with timings.phase("publish"):
             before = BEFORE_PUBLISH[settings.mode]
             before(client, settings.name, settings.layout.model_dir(settings.name), timeout_s=settings.timeout_s)
@@ -281,6 +279,16 @@ def _unpack_if_archive(files: Path, job: _Fetch) -> Path:
         unpack(archive, unpacked, max_bytes=job.free(job.workspace))
     archive.unlink()
     return unpacked
+
+
+def _check_gpu_memory(settings: LoaderSettings, label: str, timings: Timings) -> None:
+    """With --require-gpu-memory-mib: Triton's GPUs have that much free (15)."""
+    if not settings.require_gpu_memory_mib:
+        return
+    from tritonshare.loader.gpu_check import check_gpu_memory  # prometheus_client: only for this check
+
+    with timings.phase("gpu"):
+        check_gpu_memory(settings, label)
 
 
 def check_space(staging: Path, needed: int, free: DiskFree, label: str) -> None:
