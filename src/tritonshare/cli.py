@@ -297,7 +297,7 @@ def unload(
     "--unload-timeout-s",
     type=click.FloatRange(min=0),
     default=30.0,
-    help="Bound on waiting for Triton to stop serving the model after removal.",
+    help="Bound on each wait of the unload: for a LOADING model to settle, and for Triton to stop serving it.",
 )
 @option(
     "--max-json-bytes",
