@@ -75,6 +75,24 @@ def test_record_round_trip_and_garbage(node: NodeLayout) -> None:
     assert read_record(folder) is None
 
 
+@pytest.mark.parametrize(
+    ("recorded", "asked", "same"),
+    [
+        ("s3://b/m", "s3://b/m/", True),  # one folder, however spelled (the digest tells an object m apart)
+        ("gs://b/m/", "gs://b/m", True),
+        ("file:///models/m", "/models/m/", True),
+        ("/models/m", "/models/./m", True),
+        ("s3://b/m", "s3://b/n", False),
+        ("https://h/m/", "https://h/m", False),  # two URLs a server may answer differently
+    ],
+)
+def test_one_source_spelled_two_ways_is_the_same_install(recorded: str, asked: str, same: bool) -> None:
+    """A restarted pod whose SOURCE gained a trailing slash got exit 14 against its own install."""
+    record = InstallRecord(name="m", source=recorded, digest="abc")
+    assert record.same_content(InstallRecord(name="m", source=asked, digest="abc")) is same
+    assert not record.same_content(InstallRecord(name="m", source=asked, digest="abd"))
+
+
 def test_a_record_is_readable_by_other_users_whatever_the_umask(node: NodeLayout) -> None:
     """The gc and the proxy read records, maybe as another user than the loader."""
     folder = node.repository / "m"

@@ -47,7 +47,22 @@ class InstallRecord:
     installed_at: float = 0.0
 
     def same_content(self, other: InstallRecord) -> bool:
-        return (self.name, self.source, self.digest) == (other.name, other.source, other.digest)
+        """The same install: one NAME, one listing, and one source however it was spelled."""
+        mine, theirs = (
+            (self.name, _canonical(self.source), self.digest),
+            (other.name, _canonical(other.source), other.digest),
+        )
+        return mine == theirs
+
+
+def _canonical(source: str) -> str:
+    """A source as it names its objects: ``s3://b/m/`` and ``s3://b/m`` list the same folder (the digest tells
+    an object ``m`` apart), ``file:///p`` and ``/p/`` are ``/p``. An http(s) URL is kept as it is."""
+    path = source.removeprefix("file://")
+    if "://" not in path:
+        return os.path.normpath(path) if path else path
+    scheme, rest = path.split("://", 1)
+    return f"{scheme}://{rest.rstrip('/')}" if scheme in ("s3", "gs") else path
 
 
 def read_record(model_dir: Path) -> InstallRecord | None:
