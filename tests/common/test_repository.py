@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.mounts import tmpfs
+from tests.support.mounts import mount, tmpfs
 from tests.support.mounts import two_mounts as bind_mounts
 from tritonshare.common.errors import ExitCode, InstallConflict, InsufficientSpace, UsageError
 from tritonshare.common.layout import NodeLayout
@@ -104,6 +104,17 @@ def test_a_record_is_readable_by_other_users_whatever_the_umask(node: NodeLayout
         os.umask(old)
     assert stat.S_IMODE((folder / RECORD_FILE).stat().st_mode) == 0o644
     assert [p.name for p in folder.iterdir()] == [RECORD_FILE]  # no temporary file left
+
+
+def test_a_read_only_node_folder_is_a_usage_error_naming_the_mount(tmp_path: Path) -> None:
+    """A read-only volume is the pod's configuration (exit 2, as for the lease folder), not exit 1, "a bug"."""
+    with tmpfs(tmp_path / "node", "1m") as root:
+        node = NodeLayout(repository=root / "models", staging=root / "staging")
+        node.repository.mkdir()
+        node.staging.mkdir()
+        mount("-o", "remount,ro", str(root))
+        with pytest.raises(UsageError, match=r"Read-only file system — mount the node folder read-write"):
+            new_staging_dir(node, "m")
 
 
 @pytest.fixture

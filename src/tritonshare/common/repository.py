@@ -193,9 +193,16 @@ def _flush_repository(repository: Path) -> None:
 
 
 def disk_error(doing: str, exc: OSError) -> TritonshareError:
-    """A full disk (or quota) is InsufficientSpace, another failed write a node problem (exit 1)."""
+    """A full disk (or quota) is InsufficientSpace; a folder this container may not write, a usage error (exit
+    2, like an unwritable lease folder: the pod's volumes or user are wrong); another failed write a node
+    problem (exit 1)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return InsufficientSpace(f"{doing}: the filesystem is full — free space on the node")
+    if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return UsageError(
+            f"{doing} failed: {exc.strerror or exc} — mount the node folder read-write in this container, writable "
+            "by its user (runAsUser)"
+        )
     return TritonshareError(f"{doing} failed: {exc.strerror or exc} — check the node's disk and the folder's owner")
 
 
