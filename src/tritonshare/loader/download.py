@@ -501,7 +501,8 @@ def with_retries(call: Callable[[], T], options: DownloadOptions, pause: Sleep, 
             return call()
         except TransientSourceError as exc:
             if attempt + 1 == attempts:
-                raise TransientSourceError(f"{exc} (gave up after {attempts} attempts)") from exc
+                tries = f"{attempts} attempts" if attempts != 1 else "1 attempt"
+                raise TransientSourceError(f"{exc} (gave up after {tries})") from exc
             delay = options.backoff_s(attempt, rand())
             logger.warning("%s — retry %d of %d in %.1f s", exc, attempt + 1, attempts - 1, delay)
             try:

@@ -203,7 +203,6 @@ class Collector:
                 return None
             self.store.drop(name)
             request_unload(self.client, name)  # explicit mode keeps serving a removed folder until asked
-        logger.info("moved %s out of the repository to %s", self.settings.layout.model_dir(name), trash)
         return Removal(kind="model", name=name, path=self.settings.layout.model_dir(name), reason=reason), trash
 
     def _loading(self, name: str) -> bool:
