@@ -13,14 +13,15 @@ Order matters (REFERENCE §2):
    one install), and Triton, asked again under NAME's lock, still does not say LOADING, rename the folder
    out of the repository (:mod:`tritonshare.common.lease`), then delete it once the lock is released (a
    loader of NAME must not wait behind a large delete); without a pod identity (an operator at a shell) the
-   folder goes regardless of leases;
+   folder goes only while no pod's lease on NAME is fresh (else exit 14, naming the pods), or with ``force``;
 3. ask Triton to unload NAME (:func:`request_unload`): in explicit mode Triton serves a model whose folder
    is gone until it is told to unload it; POLL mode refuses the call, and there the removal was the unload;
 4. wait (bounded) until Triton no longer reports the model ready.
 
 What a command exits with (:attr:`UnloadResult.exit_code`): 0 when the model is gone or stays for another
-pod; 13 when Triton kept it LOADING past the deadline, or still served it past the deadline after its folder was
-removed; 16 when Triton did not answer — when the folder is left, for gc, this pod's lease is already dropped.
+pod; 14 when, without a pod identity or force, pods hold fresh leases on it; 13 when Triton kept it LOADING past
+the deadline, or still served it past the deadline after its folder was removed; 16 when Triton did not answer
+— when the folder is left, for gc, this pod's lease is already dropped.
 :attr:`UnloadResult.reason` says which, in one line (the proxy's termination message).
 """
 
