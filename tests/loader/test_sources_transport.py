@@ -16,6 +16,7 @@ from typing import BinaryIO
 import pytest
 
 from tests.support.certs import CertificateAuthority
+from tests.support.sockets import accept_each
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Origin, Transport, failure_kind
 
 BODY = b"0123456789" * 1000
@@ -44,23 +45,14 @@ class RawServer:
         return f"{scheme}://127.0.0.1:{self._listener.getsockname()[1]}"
 
     def start(self) -> RawServer:
-        threading.Thread(target=self._accept, daemon=True).start()
+        accept_each(self._listener, self._serve)
         return self
 
     def stop(self) -> None:
         self._listener.close()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            self.connections += 1
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            thread.start()
-
     def _serve(self, conn: socket.socket) -> None:
+        self.connections += 1
         try:
             self._answer(self.tls.wrap_socket(conn, server_side=True) if self.tls else conn)
         except OSError:
@@ -111,7 +103,7 @@ class ConnectProxy:
     def __init__(self) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.tunnels: list[str] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        accept_each(self._listener, self._tunnel)
 
     @property
     def url(self) -> str:
@@ -119,14 +111,6 @@ class ConnectProxy:
 
     def close(self) -> None:
         self._listener.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._tunnel, args=(client,), daemon=True).start()
 
     def _tunnel(self, client: socket.socket) -> None:
         head = b""

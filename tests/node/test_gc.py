@@ -89,9 +89,14 @@ def settings(triton: TritonServer, layout: NodeLayout, tmp_path: Path, prefix: s
     return GcSettings(layout=node, triton_url=triton.url, lease_ttl_s=TTL_S, manage=(f"{prefix}*",))
 
 
+def gc_on(settings: GcSettings, clock: Clock, *, client: TritonClient | None = None) -> Collector:
+    """A collector whose wall and monotonic time are the test's clock."""
+    return Collector(settings, client=client, clock=clock, monotonic=clock.monotonic)
+
+
 @pytest.fixture
 def collector(settings: GcSettings, clock: Clock) -> Collector:
-    return Collector(settings, clock=clock, monotonic=clock.monotonic)
+    return gc_on(settings, clock)
 
 
 @pytest.fixture
@@ -210,9 +215,7 @@ def test_models_outside_the_managed_patterns_are_never_touched(
     kept, managed = f"{prefix}operator", f"{prefix}tenant"
     install_model(layout, triton, kept)
     install_model(layout, triton, managed)
-    collector = Collector(
-        replace(settings, manage=(f"{prefix}ten*", f"{prefix}x*")), clock=clock, monotonic=clock.monotonic
-    )
+    collector = gc_on(replace(settings, manage=(f"{prefix}ten*", f"{prefix}x*")), clock)
     clock.advance(TTL_S + 30)
     assert removed(collector) == [("model", managed)]
     assert model_ready(triton, kept)
@@ -310,11 +313,8 @@ def test_gc_never_deletes_what_it_did_not_make_in_staging_even_the_repository_in
     write_model(layout.model_dir("resnet"))
     (root / "notes.txt").write_text("operator's")
     (root / f"resnet.download.{'z' * 12}").mkdir()  # not an ID tritonshare makes
-    collector = Collector(
-        GcSettings(layout=layout, lease_ttl_s=TTL_S),
-        client=TritonClient(f"http://127.0.0.1:{free_port()}"),
-        clock=clock,
-        monotonic=clock.monotonic,
+    collector = gc_on(
+        GcSettings(layout=layout, lease_ttl_s=TTL_S), clock, client=TritonClient(f"http://127.0.0.1:{free_port()}")
     )
     collector.store.acquire("resnet", POD_A)
     clock.advance(TTL_S + 30)
@@ -335,11 +335,8 @@ def test_a_stalled_download_stays_while_its_loader_holds_a_fresh_lease(
     (workspace / "1" / "model.plan").write_bytes(b"first bytes, then the source stalled")
     retired = bare_layout.staging / f"resnet.retired.{uuid.uuid4().hex[:12]}"
     retired.mkdir()
-    collector = Collector(
-        GcSettings(layout=bare_layout, lease_ttl_s=TTL_S),
-        client=TritonClient(f"http://127.0.0.1:{free_port()}"),
-        clock=clock,
-        monotonic=clock.monotonic,
+    collector = gc_on(
+        GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock, client=TritonClient(f"http://127.0.0.1:{free_port()}")
     )
     clock.advance(TTL_S + 30)
     collector.store.acquire("resnet", POD_A)  # the loader's heartbeat goes on
@@ -360,11 +357,8 @@ def test_a_crash_looping_loader_keeps_only_its_newest_workspace(bare_layout: Nod
         (workspace / "1" / "weights.bin").write_bytes(b"part of the weights")
         attempts.append(workspace)
         time.sleep(0.02)  # the later attempt is the newer one
-    collector = Collector(
-        GcSettings(layout=bare_layout, lease_ttl_s=TTL_S),
-        client=TritonClient(f"http://127.0.0.1:{free_port()}"),
-        clock=clock,
-        monotonic=clock.monotonic,
+    collector = gc_on(
+        GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock, client=TritonClient(f"http://127.0.0.1:{free_port()}")
     )
     clock.advance(TTL_S + 30)
     collector.store.acquire("llm", POD_A)  # the latest attempt's heartbeat
@@ -379,9 +373,7 @@ def test_without_triton_no_model_is_removed_but_staging_still_is(
     leftover = bare_layout.staging / f"resnet.download.{uuid.uuid4().hex[:12]}"
     leftover.mkdir()
     settings = GcSettings(layout=bare_layout, lease_ttl_s=TTL_S)
-    collector = Collector(
-        settings, client=TritonClient(f"http://127.0.0.1:{free_port()}"), clock=clock, monotonic=clock.monotonic
-    )
+    collector = gc_on(settings, clock, client=TritonClient(f"http://127.0.0.1:{free_port()}"))
     clock.advance(TTL_S + 30)
     assert removed(collector) == [("staging", leftover.name)]
     assert bare_layout.model_dir("resnet").is_dir()
@@ -395,7 +387,7 @@ def test_a_folder_no_lease_can_name_is_left_alone_and_the_pass_goes_on(
     write_model(bare_layout.model_dir("resnet"))
     settings = GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S)
     clock.advance(TTL_S + 30)
-    assert removed(Collector(settings, clock=clock, monotonic=clock.monotonic)) == [("model", "resnet")]
+    assert removed(gc_on(settings, clock)) == [("model", "resnet")]
     assert bare_layout.model_dir(".editor-backup").is_dir()
     assert "gc leaves .editor-backup alone" in gc_log.text
 
@@ -416,9 +408,7 @@ def test_a_linked_model_and_one_gc_cannot_move_stay_and_the_rest_of_the_pass_goe
         write_model(bare_layout.model_dir(name))
     leftover = bare_layout.staging / f"resnet.download.{uuid.uuid4().hex[:12]}"
     leftover.mkdir()
-    collector = Collector(
-        GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic
-    )
+    collector = gc_on(GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S), clock)
     collector.store.acquire("crashed", POD_A)
     moving = gc_module.move_out
 
@@ -444,9 +434,7 @@ def test_after_the_wall_clock_steps_ahead_gc_removes_nothing_until_live_pods_hav
         write_model(bare_layout.model_dir(name))
     workspace = bare_layout.staging / f"loading.download.{uuid.uuid4().hex[:12]}"
     workspace.mkdir()  # a loader still downloading (its lease fresh, not yet installed)
-    collector = Collector(
-        GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic
-    )
+    collector = gc_on(GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S), clock)
     leases = collector.store
     leases.acquire("dead", POD_B)
     clock.advance(TTL_S + 1)  # POD_B was SIGKILLed a while ago
@@ -468,9 +456,7 @@ def test_a_small_step_of_the_wall_clock_holds_nothing(
 ) -> None:
     """NTP's small corrections are within the heartbeat margin (nine missed beats): no hold."""
     write_model(bare_layout.model_dir("dead"))
-    collector = Collector(
-        GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic
-    )
+    collector = gc_on(GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S), clock)
     collector.store.acquire("dead", POD_B)
     clock.advance(TTL_S + 1)
     clock.step(TTL_S / 10 - 1)
@@ -483,9 +469,7 @@ def test_a_model_whose_loader_gave_it_up_goes_at_the_next_pass(
 ) -> None:
     """A loader stopped while Triton loaded what it published expires its lease: no TTL to wait."""
     write_model(bare_layout.model_dir("stopped"))
-    collector = Collector(
-        GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic
-    )
+    collector = gc_on(GcSettings(layout=bare_layout, triton_url=triton.url, lease_ttl_s=TTL_S), clock)
     collector.store.acquire("stopped", POD_A)
     collector.store.give_up("stopped", POD_A)
     assert removed(collector) == [("model", "stopped")]
@@ -497,7 +481,7 @@ def test_staging_is_cleaned_first_so_a_full_disk_is_freed_even_when_the_models_s
 ) -> None:
     leftover = bare_layout.staging / f"resnet.download.{uuid.uuid4().hex[:12]}"
     (leftover / "1").mkdir(parents=True)
-    collector = Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic)
+    collector = gc_on(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock)
 
     def full() -> list[object]:
         raise InsufficientSpace("creating leases/.locks: the filesystem is full — free space on the node")
@@ -520,15 +504,13 @@ def test_a_staging_tree_deeper_than_python_recurses_is_judged_and_deleted(
         deep.mkdir()
     (deep / "f").write_bytes(b"x")
     clock.advance(TTL_S + 1)
-    assert removed(
-        Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic)
-    ) == [("staging", leftover.name)]
+    assert removed(gc_on(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock)) == [("staging", leftover.name)]
     assert not leftover.exists()
 
 
 def test_leases_of_dead_pods_go_while_another_pod_holds_the_model(bare_layout: NodeLayout, clock: Clock) -> None:
     write_model(bare_layout.model_dir("resnet"))
-    collector = Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic)
+    collector = gc_on(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock)
     dead = [Holder(uid=f"killed-{i}") for i in range(5)]  # SIGKILLed in a rollout: no release
     for holder in dead:
         collector.store.acquire("resnet", holder)
@@ -542,7 +524,7 @@ def test_leases_of_dead_pods_go_while_another_pod_holds_the_model(bare_layout: N
 def test_leases_of_models_that_are_not_installed_go_once_expired(
     bare_layout: NodeLayout, tmp_path: Path, clock: Clock
 ) -> None:
-    collector = Collector(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock=clock, monotonic=clock.monotonic)
+    collector = gc_on(GcSettings(layout=bare_layout, lease_ttl_s=TTL_S), clock)
     collector.store.acquire("crashed", POD_A)  # its loader died before publishing
     clock.advance(TTL_S + 1)
     collector.store.acquire("downloading", POD_B)  # a loader at work: its model is not there yet

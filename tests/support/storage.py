@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.ports import free_port, wait_port
+from tests.support.sockets import accept_each
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -211,19 +212,11 @@ class RangeDropper:
         return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
 
     def start(self) -> RangeDropper:
-        threading.Thread(target=self._accept, name="range-dropper", daemon=True).start()
+        accept_each(self._listener, self._forward, name="range-dropper")
         return self
 
     def stop(self) -> None:
         self._listener.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._forward, args=(client,), daemon=True).start()
 
     def _forward(self, client: socket.socket) -> None:
         with client, client.makefile("rb") as reader:
