@@ -38,6 +38,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stream_bench  # noqa: E402  (bench/ is no package: the streaming client is imported by path)
+import target  # noqa: E402  (which tritonshare to measure: .venv-opt, as the image's interpreter, else .venv)
 
 ROOT = Path(__file__).resolve().parent.parent
 YARD = Path(os.environ.get("TRITONSHARE_YARDSTICK", ROOT.parent / "shared" / "bench"))
@@ -103,7 +104,8 @@ def nginx_command(run: Path, ports: Ports) -> list[str]:
 def proxy_command(run: Path, ports: Ports) -> list[str]:
     (run / "staging").mkdir()
     return [
-        str(ROOT / ".venv/bin/tritonshare"), "--log-level", "warning", "proxy", "--name", MODEL, "--host", "127.0.0.1",
+        str(target.venv() / "bin" / "tritonshare"), "--log-level", "warning", "proxy", "--name", MODEL,
+        "--host", "127.0.0.1",
         "--triton-url", f"http://127.0.0.1:{ports.triton_http}", "--triton-grpc", f"127.0.0.1:{ports.triton_grpc}",
         "--http-port", str(ports.http), "--grpc-port", str(ports.grpc), "--metrics-port", str(free_port()),
         "--no-unload", "--repository", str(run / "models"), "--staging", str(run / "staging"),
@@ -202,6 +204,7 @@ def main() -> int:
                     rows[name, protocol] = instructions / served
                     per = rows[name, protocol]
                     print(f"{name} {protocol} c={c}: {served} requests, {per:,.0f} instructions/request")
+    print(f"\ntritonshare from {target.describe()}")
     print(f"\n| protocol (c={c}) | nginx | tritonshare | vs nginx |\n|---|---:|---:|---:|")
     for protocol in ("rest", "grpc", "stream"):
         ours, base = rows["tritonshare", protocol], rows["nginx", protocol]

