@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -79,3 +81,21 @@ def test_a_source_that_cannot_be_meant_exits_2_before_triton_is_waited_for(
     assert proc.returncode == ExitCode.USAGE, proc.stderr
     assert said in proc.stderr
     assert not (tmp_path / "r" / "m").exists()  # the working directory was not installed
+
+
+def _commands(command: click.Command, path: str = "tritonshare") -> Iterator[tuple[str, click.Command]]:
+    yield path, command
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            yield from _commands(sub, f"{path} {name}")
+
+
+def test_every_option_of_every_command_says_what_it_does_in_help() -> None:
+    """`--help` is the first thing read at 3 am: no option listed there without a line saying what it does."""
+    silent = [
+        f"{path} {option.opts[-1]}"
+        for path, command in _commands(main)
+        for option in command.params
+        if isinstance(option, click.Option) and not (option.help or "").strip()
+    ]
+    assert silent == []

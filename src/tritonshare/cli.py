@@ -118,7 +118,12 @@ def holder_of(uid: str | None, name: str, namespace: str) -> Holder | None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @option("--log-format", type=click.Choice(["plain", "json"]), default="plain", help="Log line format.")
-@option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+@option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    help="Lowest level of the log lines written (debug adds details: each request the proxy refuses, …).",
+)
 @click.version_option(__version__, prog_name="tritonshare")
 def main(log_format: str, log_level: str) -> None:
     """Share one Triton Inference Server per GPU node among many model pods."""
