@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from tritonshare.common.command import option, run_command, termination_log_option
+from tritonshare.common.command import Command, option, run_command, termination_log_option
 from tritonshare.common.errors import ExitCode
 from tritonshare.common.termination import write_termination_message
 
@@ -24,7 +24,7 @@ logger = logging.getLogger("tritonshare")
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
-@click.command()
+@click.command(cls=Command)
 @option("--node-name", required=True, help="This node's name (downward API: spec.nodeName).")
 @option(
     "--gpu-memory-mib",
