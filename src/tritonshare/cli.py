@@ -18,7 +18,9 @@ import click
 from tritonshare import __version__
 from tritonshare.common.command import (
     F,
+    Group,
     leases_option,
+    log_options,
     option,
     repository_option,
     run_command,
@@ -116,9 +118,8 @@ def holder_of(uid: str | None, name: str, namespace: str) -> Holder | None:
     return Holder(uid=uid, name=name, namespace=namespace) if uid else None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@option("--log-format", type=click.Choice(["plain", "json"]), default="plain", help="Log line format.")
-@option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info")
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@log_options
 @click.version_option(__version__, prog_name="tritonshare")
 def main(log_format: str, log_level: str) -> None:
     """Share one Triton Inference Server per GPU node among many model pods."""

@@ -165,6 +165,37 @@ def test_an_archive_with_a_member_climbing_out_exits_10(
     assert not (layout.staging.parent / "identity").exists()
 
 
+LOGIN_PAGE = "<!DOCTYPE html>\n<html><head><title>Sign in</title></head><body><form>…</form></body></html>\n"
+
+
+@pytest.mark.parametrize("name", ["model.tar.gz", "model.zip"])  # unpacked as it arrives; unpacked once landed
+def test_an_html_page_served_for_an_archive_exits_10_naming_the_url(
+    name: str, http_server: HttpFileServer, layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    """A login or error page answered with 200 at the archive's URL: the message names the URL, not the
+    loader's own file, and says what came instead."""
+    page = tmp_path / name
+    page.write_text(LOGIN_PAGE)
+    url = http_server.serve(page)
+    before = node_entries(layout)
+    outcome = load(layout, triton.url, url, model_name, tmp_path)
+    expected = name.removeprefix("model")
+    failed(outcome, ExitCode.SOURCE_PERMANENT, f"{url}: not a readable", "<title>Sign in</title>",
+           f"the server answered an HTML page, not a {expected}: check the URL and its access")  # fmt: skip
+    assert node_entries(layout) == before
+
+
+def test_a_damaged_archive_exits_10_naming_its_url_not_the_loaders_file(
+    http_server: HttpFileServer, layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    damaged = tmp_path / "model.tar.gz"
+    damaged.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)) * 4)  # a gzip header, then no deflate stream
+    url = http_server.serve(damaged)
+    outcome = load(layout, triton.url, url, model_name, tmp_path)
+    failed(outcome, ExitCode.SOURCE_PERMANENT, f"{url}: not a readable tar archive", "check the file")
+    assert "HTML" not in outcome.message
+
+
 def test_a_model_triton_rejects_exits_12_with_tritons_reason(
     layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
 ) -> None:

@@ -1,8 +1,10 @@
 """What every ``tritonshare`` subcommand shares: options that are also ``TRITONSHARE_<OPTION>`` variables,
-and how a command ends (:func:`run_command`): the error tree mapped to exit codes and a termination
-message, SIGTERM and SIGINT turned into an exception so the command cleans up before it exits, and any
-other exception reported as the bug it is. Used by :mod:`tritonshare.cli` and by the node agents'
-commands (which the layer contract keeps from importing the CLI)."""
+the click classes of the group and its commands (:class:`Group`, :class:`Command`: ``--log-format`` and
+``--log-level`` after the command too, unknown ``TRITONSHARE_*`` variables warned of, usage errors in the
+termination log and the chosen log format), and how a command ends (:func:`run_command`): the error tree
+mapped to exit codes and a termination message, SIGTERM and SIGINT turned into an exception so the command
+cleans up before it exits, and any other exception reported as the bug it is. Used by :mod:`tritonshare.cli`
+and by the node agents' commands (which the layer contract keeps from importing the CLI)."""
 
 from __future__ import annotations
 
@@ -18,11 +20,14 @@ from types import FrameType
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from tritonshare.common.errors import ExitCode, TritonshareError, UsageError
 from tritonshare.common.layout import DEFAULT_LEASES, DEFAULT_REPOSITORY, DEFAULT_STAGING
+from tritonshare.common.logs import configure_logging
 from tritonshare.common.termination import DEFAULT_PATH, write_termination_message
 from tritonshare.common.triton import check_triton_url
+from tritonshare.common.usage import report_usage_error, warn_unknown_variables
 
 logger = logging.getLogger("tritonshare")
 
@@ -31,11 +36,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def option(*decls: str, **kwargs: Any) -> Callable[[F], F]:
     """``click.option`` whose environment variable is ``TRITONSHARE_<LONG NAME>``."""
+    return click.option(*decls, **_with_envvar(decls, kwargs))
+
+
+def _with_envvar(decls: tuple[str, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     long = max((d for d in decls if d.startswith("--")), key=len).split("/")[0]
     kwargs.setdefault("envvar", "TRITONSHARE_" + long.lstrip("-").replace("-", "_").upper())
     kwargs.setdefault("show_envvar", True)
     kwargs.setdefault("show_default", True)
-    return click.option(*decls, **kwargs)
+    return kwargs
 
 
 def options(*decorators: Callable[[F], F]) -> Callable[[F], F]:
@@ -85,6 +94,87 @@ def _triton_url(_ctx: click.Context, _param: click.Parameter, value: str) -> str
 
 def triton_url_option(help: str = "Triton's HTTP endpoint.") -> Callable[[F], F]:  # noqa: A002 (click's word)
     return option("--triton-url", default="http://127.0.0.1:8000", callback=_triton_url, help=help)
+
+
+# ---- the click classes: the group, and every command in it ---------------------------------------------
+
+# The logging options: the group's (``tritonshare --log-format json load …``), and again every command's.
+LOG_OPTIONS: dict[str, dict[str, Any]] = {
+    "--log-format": {
+        "type": click.Choice(["plain", "json"]),
+        "default": "plain",
+        "help": "Log line format: json is one JSON object per line (what log collectors in a pod want).",
+    },
+    "--log-level": {
+        "type": click.Choice(["debug", "info", "warning", "error"]),
+        "default": "info",
+        "help": "Lowest level of the log lines written (debug adds details: each request the proxy refuses, …).",
+    },
+}
+
+
+def log_options(fn: F) -> F:
+    """The group's logging options, passed to its body as ``log_format`` and ``log_level``."""
+    for decl, kwargs in reversed(LOG_OPTIONS.items()):
+        fn = option(decl, **kwargs)(fn)
+    return fn
+
+
+def _set_logging(ctx: click.Context, param: click.Parameter, value: str) -> None:
+    """A command's own --log-format or --log-level, when given after its name, overrides the group's."""
+    if param.name and ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE:
+        configure_logging(**{param.name: value})
+
+
+class Command(click.Command):
+    """Every ``tritonshare`` subcommand: it also takes ``--log-format`` and ``--log-level`` after its name,
+    and before its body runs warns of each ``TRITONSHARE_*`` variable no command reads."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for decl, settings in LOG_OPTIONS.items():
+            same = _with_envvar((decl,), {**settings, "help": settings["help"] + " Also after the command."})
+            self.params.append(click.Option([decl], expose_value=False, is_eager=True, callback=_set_logging, **same))
+
+    def invoke(self, ctx: click.Context) -> Any:
+        warn_unknown_variables(ctx.find_root().command, os.environ)
+        return super().invoke(ctx)
+
+
+class Group(click.Group):
+    """The ``tritonshare`` group: its commands are each a :class:`Command`, and a usage error (exit 2) — the
+    group's or a command's, while parsing or raised by a command's body — is also written to the
+    termination log and, with ``--log-format json``, logged as JSON instead of printed as click's text."""
+
+    command_class = Command
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
+    ) -> click.Context:
+        given = list(args)  # click's parser consumes the list it is given
+        with _usage_errors_reported(given):
+            context = super().make_context(info_name, args, parent, **extra)
+        context.meta[_ARGS] = given
+        return context
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _usage_errors_reported(ctx.meta.get(_ARGS, [])):
+            return super().invoke(ctx)
+
+
+_ARGS = "tritonshare.args"  # the group's command line, in its context's meta, for a usage error's report
+
+
+@contextmanager
+def _usage_errors_reported(args: list[str]) -> Iterator[None]:
+    try:
+        yield
+    except click.exceptions.NoArgsIsHelpError:
+        raise  # `tritonshare` alone: the help, not an error
+    except click.UsageError as exc:
+        if report_usage_error(exc, args, os.environ):
+            raise click.exceptions.Exit(exc.exit_code) from exc  # logged: click prints nothing more
+        raise
 
 
 # The signals that stop a command, and the exit code each ends it with (128 + N, as a shell reports it).

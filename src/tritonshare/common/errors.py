@@ -8,6 +8,7 @@
     │   ├── SourceNotFound                          object or prefix does not exist
     │   ├── SourceAccessDenied                      credentials missing or refused
     │   ├── InvalidModel                            layout or config.pbtxt is not a Triton model
+    │   │   └── NotAnArchive                        an archive's bytes are not one: damaged, cut short, or a page
     │   └── UnsafeArchive                           archive member escapes its folder or links out
     ├── TransientSourceError               exit 11  network/server trouble that outlived retries or the deadline
     │   └── RangeIgnored                            a part's GET came back whole (the store ignores Range): the
@@ -81,6 +82,16 @@ class SourceAccessDenied(SourceError):
 
 class InvalidModel(SourceError):
     pass
+
+
+class NotAnArchive(InvalidModel):
+    """A file named (or sniffed) as an archive whose bytes are not a readable one of its kind: damaged, cut
+    short, or another file altogether (a login or error page served at its URL). Keeps its parts so that the
+    loader, which knows where the bytes came from, can say so (:func:`tritonshare.loader.archive.from_source`)."""
+
+    def __init__(self, what: str, *, kind: str, reason: str, advice: str) -> None:
+        super().__init__(f"{what}: not a readable {kind} archive ({reason}) — {advice}")
+        self.kind, self.reason, self.advice = kind, reason, advice
 
 
 class UnsafeArchive(SourceError):

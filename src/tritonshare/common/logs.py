@@ -33,12 +33,16 @@ FORMATTERS: dict[str, logging.Formatter] = {
 }
 
 
-def configure_logging(log_format: str = "plain", level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(FORMATTERS[log_format])
+def configure_logging(log_format: str | None = None, log_level: str | None = None) -> None:
+    """Set the format of the log lines, their level, or both; what is not given stays as it was. ``tritonshare``
+    sets both before a command runs; a command's own ``--log-format``/``--log-level`` then sets one again."""
     root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    # Chatty third-party loggers stay quiet unless asked for.
-    for name in ("botocore", "boto3", "urllib3", "google", "s3transfer", "aiohttp.access"):
-        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    if log_format is not None:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(FORMATTERS[log_format])
+        root.handlers[:] = [handler]
+    if log_level is not None:
+        root.setLevel(log_level.upper())
+        # Chatty third-party loggers stay quiet unless asked for.
+        for name in ("botocore", "boto3", "urllib3", "google", "s3transfer", "aiohttp.access"):
+            logging.getLogger(name).setLevel(max(logging.WARNING, root.level))

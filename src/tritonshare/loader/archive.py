@@ -37,7 +37,14 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
-from tritonshare.common.errors import InsufficientSpace, InvalidModel, TritonshareError, UnsafeArchive
+from tritonshare.common.errors import (
+    InsufficientSpace,
+    InvalidModel,
+    NotAnArchive,
+    TritonshareError,
+    UnsafeArchive,
+    clip,
+)
 from tritonshare.loader.model import check_links, inside
 from tritonshare.loader.tar_stream import IncompleteArchive, TarStream
 
@@ -51,6 +58,7 @@ _TAR_FILTER: dict[str, str] = {"filter": "data"} if hasattr(tarfile, "data_filte
 MAX_HEADER_BYTES = 64 << 10  # a GNU long name or pax header: paths and link targets, far below this
 MAX_LINK_BYTES = 4096  # PATH_MAX: a zip link's target is its data
 MAX_DEPTH = 64  # folders a member's path may go down
+HEAD_BYTES = 512  # of a file that is no archive, what from_source looks at
 # errors of members that cannot be unpacked as they stand: a file used as a folder, a name too long, …
 _MEMBER_ERRNOS = (errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.ENAMETOOLONG, errno.EINVAL, errno.ELOOP)
 
@@ -150,7 +158,33 @@ def _read_error(archive: Path, kind: str, exc: BaseException) -> TritonshareErro
     if isinstance(exc, OSError) and exc.errno is not None:
         return TritonshareError(f"{archive.name}: unpacking failed: {exc}")
     advice = "upload the whole archive again, or rebuild it" if isinstance(exc, IncompleteArchive) else "check the file"
-    return InvalidModel(f"{archive.name}: not a readable {kind} archive ({exc}) — {advice}")
+    return NotAnArchive(archive.name, kind=kind, reason=str(exc), advice=advice)
+
+
+def from_source(error: NotAnArchive, origin: str, name: str, head: bytes) -> NotAnArchive:
+    """``error`` of the archive file ``name``, naming instead where its bytes came from (the source's URL or
+    path: the local file is the loader's own), and saying when they are an HTML page — what a web server
+    answers with 200 for a login, a missing file or an expired link."""
+    if not looks_like_html(head):
+        return NotAnArchive(origin, kind=error.kind, reason=error.reason, advice=error.advice)
+    expected = next((s for s in sorted(ARCHIVES, key=len, reverse=True) if name.lower().endswith(s)), "")
+    return NotAnArchive(
+        origin,
+        kind=error.kind,
+        reason=f"it begins {clip(head.decode('utf-8', 'replace'), 80)!r}",
+        advice=f"the server answered an HTML page, not a {expected or error.kind + ' archive'}: check the URL "
+        "and its access",
+    )
+
+
+_HTML_TAGS = (b"<!doctype html", b"<html", b"<head", b"<body")
+
+
+def looks_like_html(head: bytes) -> bool:
+    """The first bytes of a file are an HTML page's (after a comment, perhaps); an archive never begins
+    with ``<``."""
+    text = head.lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    return text.startswith(b"<") and any(tag in text for tag in _HTML_TAGS)
 
 
 def _refuse_kind(archive: Path, name: str, kind: str) -> UnsafeArchive:
@@ -258,9 +292,13 @@ def unpacker_for(path: Path) -> Unpacker | None:
     for suffix in sorted(ARCHIVES, key=len, reverse=True):
         if name.endswith(suffix):
             return ARCHIVES[suffix]
-    with open(path, "rb") as fh:
-        head = fh.read(512)
+    head = read_head(path)
     return next((fn for offset, magic, fn in _MAGIC if head[offset : offset + len(magic)] == magic), None)
+
+
+def read_head(path: Path) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read(HEAD_BYTES)
 
 
 def unpack(archive: Path, dest: Path, *, max_bytes: int | None = None) -> int:

@@ -36,7 +36,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tritonshare.common.command import doing
-from tritonshare.common.errors import ExitCode, InstallConflict, InsufficientSpace, ReadinessTimeout, TritonLoadFailed
+from tritonshare.common.errors import (
+    ExitCode,
+    InstallConflict,
+    InsufficientSpace,
+    NotAnArchive,
+    ReadinessTimeout,
+    TritonLoadFailed,
+)
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import Heartbeat, LeaseStore
 from tritonshare.common.repository import InstallRecord, discard, make_folder, new_staging_dir
@@ -268,15 +275,19 @@ def _download(job: _Fetch) -> Path:
 def _unpack_if_archive(files: Path, job: _Fetch) -> Path:
     """A lone file that is an archive (a zip, or any archive on a volume) is unpacked once it has landed;
     another file is the model itself."""
-    from tritonshare.loader.archive import unpack, unpacker_for
+    from tritonshare.loader.archive import from_source, read_head, unpack, unpacker_for
 
-    archive = files / job.objects[0].relpath
+    obj = job.objects[0]
+    archive = files / obj.relpath
     if unpacker_for(archive) is None:
         return files
     unpacked = job.workspace / "unpacked"
     make_folder(unpacked)
     with job.timings.phase("unpack"):
-        unpack(archive, unpacked, max_bytes=job.free(job.workspace))
+        try:
+            unpack(archive, unpacked, max_bytes=job.free(job.workspace))
+        except NotAnArchive as exc:  # named by the downloaded file: name the source instead
+            raise from_source(exc, obj.key, obj.relpath, read_head(archive)) from exc
     archive.unlink()
     return unpacked
 

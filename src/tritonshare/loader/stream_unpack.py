@@ -30,8 +30,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tritonshare.common.errors import InsufficientSpace, TransientSourceError, TritonshareError, UnsafeArchive
-from tritonshare.loader.archive import ARCHIVES, Budget, unpack_tar
+from tritonshare.common.errors import (
+    InsufficientSpace,
+    NotAnArchive,
+    TransientSourceError,
+    TritonshareError,
+    UnsafeArchive,
+)
+from tritonshare.loader.archive import ARCHIVES, HEAD_BYTES, Budget, from_source, unpack_tar
 from tritonshare.loader.checksum import Hasher, cheapest, check, check_size, hasher_for
 from tritonshare.loader.download import MIB, Clock, DownloadOptions, DownloadStats, Random, Sleep, with_retries
 from tritonshare.loader.sources.base import RemoteObject, Source
@@ -124,6 +130,7 @@ class _Stream:
         self.budget_bytes = max_bytes
         self.deadline, self.clock = deadline, clock
         self.received = 0
+        self.head = b""  # the body's first bytes, for what an archive that is not one is instead
         self.buffer = memoryview(bytearray(CHUNK_BYTES))
         self.started = self.logged = clock()
 
@@ -141,6 +148,8 @@ class _Stream:
             outcome = self._receive(pipe)
         finally:
             shutil.rmtree(pipe_dir, ignore_errors=True)
+        if isinstance(outcome.error, NotAnArchive):  # named by the pipe: name the source instead
+            raise from_source(outcome.error, self.obj.key, self.obj.relpath, self.head) from outcome.error
         if outcome.error is not None:
             raise outcome.error
         logger.debug("unpacked %d members of %s", outcome.members, self.obj.relpath)
@@ -213,6 +222,8 @@ class _Stream:
             count = body.readinto(buffer)
         if count and hasher is not None:
             hasher.update(buffer[:count])
+        if self.received < HEAD_BYTES:
+            self.head += bytes(buffer[: min(count, HEAD_BYTES - self.received)])
         self.received += count
         self._log_progress()
         return count

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from tritonshare.common.command import option, run_command, termination_log_option
+from tritonshare.common.command import Command, option, run_command, termination_log_option
 from tritonshare.common.errors import ExitCode
 from tritonshare.common.termination import write_termination_message
 
@@ -24,7 +24,7 @@ logger = logging.getLogger("tritonshare")
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
-@click.command()
+@click.command(cls=Command)
 @option("--node-name", required=True, help="This node's name (downward API: spec.nodeName).")
 @option(
     "--gpu-memory-mib",
@@ -45,8 +45,18 @@ SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
     default=None,
     help="Kubernetes API server.  [default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT]",
 )
-@option("--kube-token-path", type=click.Path(path_type=Path), default=SERVICE_ACCOUNT / "token")
-@option("--kube-ca-path", type=click.Path(path_type=Path), default=SERVICE_ACCOUNT / "ca.crt")
+@option(
+    "--kube-token-path",
+    type=click.Path(path_type=Path),
+    default=SERVICE_ACCOUNT / "token",
+    help="Bearer token for the API server (the pod's service account token, re-read on each request).",
+)
+@option(
+    "--kube-ca-path",
+    type=click.Path(path_type=Path),
+    default=SERVICE_ACCOUNT / "ca.crt",
+    help="CA bundle the API server's certificate is checked against.",
+)
 @option("--kube-timeout-s", type=click.FloatRange(min=0.1), default=10.0, help="Per-request timeout.")
 @option(
     "--best-effort",

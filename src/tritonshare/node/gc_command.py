@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from tritonshare.common.command import (
+    Command,
     leases_option,
     option,
     options,
@@ -24,7 +25,7 @@ from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import DEFAULT_TTL_S
 
 
-@click.command()
+@click.command(cls=Command)
 @options(repository_option, staging_option, leases_option)
 @triton_url_option("Triton's HTTP endpoint (asked what is LOADING).")
 @option(
