@@ -132,6 +132,8 @@ def test_every_variable_the_manifests_and_docs_name_is_one_a_command_reads() -> 
     root = Path(__file__).resolve().parents[1]
     texts = [p.read_text() for p in [root / "README.md", *root.glob("docs/*.md"), *root.glob("k8s/**/*.*")]]
     names = {name for text in texts for name in re.findall(r"\bTRITONSHARE_[A-Z0-9_]*[A-Z0-9]\b", text)}
+    misspelt = {m for text in texts for m in re.findall(r"\b(TRITONSHARE_\w+) is set, but no tritonshare option", text)}
+    names -= misspelt  # the README's example of the warning
     assert "TRITONSHARE_SOURCE" in names and "TRITONSHARE_LOG_FORMAT" in names
     assert unknown_variables(main, dict.fromkeys(names, "x")) == {}
 
@@ -158,6 +160,17 @@ def test_a_usage_error_exits_2_with_clicks_message_in_the_termination_log(
     assert said in result.stderr and "Usage:" in result.stderr  # click's own text, as before
     message = termination.read_text()
     assert said in message and "--help`" in message and message.count("\n") == 1
+
+
+def test_a_usage_error_goes_to_the_default_termination_log_as_other_failures_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shipped manifests name no --termination-log: the kubelet reads /dev/termination-log."""
+    default = tmp_path / "dev-termination-log"
+    monkeypatch.setattr("tritonshare.common.usage.DEFAULT_PATH", default)
+    result = CliRunner().invoke(main, ["load", "--name", "m"], env={"TRITONSHARE_TERMINATION_LOG": None})
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert "Missing argument 'SOURCE'" in default.read_text()
 
 
 @pytest.mark.parametrize("where", ["before the command", "after the command", "variable"])

@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from tritonshare.common.logs import FORMATTERS, configure_logging
-from tritonshare.common.termination import write_termination_message
+from tritonshare.common.termination import DEFAULT_PATH, write_termination_message
 
 logger = logging.getLogger("tritonshare")
 
@@ -85,13 +85,13 @@ def usage_message(exc: click.UsageError) -> str:
 
 
 def report_usage_error(exc: click.UsageError, args: Sequence[str], environ: Mapping[str, str]) -> bool:
-    """Write a usage error to the termination log, when one is given (``--termination-log`` on the command
-    line or TRITONSHARE_TERMINATION_LOG), and with ``--log-format json`` (after the command or before it, or
-    TRITONSHARE_LOG_FORMAT) log it. Returns whether it was logged; click prints it as plain text otherwise."""
+    """Write a usage error to the termination log (``--termination-log`` on the command line, else
+    TRITONSHARE_TERMINATION_LOG, else the default, as for every other failure), and with ``--log-format json``
+    (after the command or before it, or TRITONSHARE_LOG_FORMAT) log it. Returns whether it was logged; click
+    prints it as plain text otherwise."""
     message = usage_message(exc)
     termination_log = given(args, "--termination-log") or environ.get(TERMINATION_LOG_VARIABLE)
-    if termination_log:
-        write_termination_message(message, Path(termination_log))
+    write_termination_message(message, Path(termination_log) if termination_log else DEFAULT_PATH)
     formats = [given(args, "--log-format"), environ.get(LOG_FORMAT_VARIABLE)]
     if next((f for f in formats if f in FORMATTERS), "plain") != "json":
         return False
