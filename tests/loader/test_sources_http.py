@@ -28,7 +28,8 @@ from tritonshare.common.errors import (
     TransientSourceError,
     UsageError,
 )
-from tritonshare.loader.download import DownloadOptions, download_all, list_objects
+from tritonshare.loader.download import DownloadOptions, download_all
+from tritonshare.loader.listing import list_objects
 from tritonshare.loader.sources.base import RemoteObject
 from tritonshare.loader.sources.http import HttpSource, checksum_from
 
