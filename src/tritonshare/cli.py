@@ -137,7 +137,12 @@ def main(log_format: str, log_level: str) -> None:
     help="How Triton picks the model up: its repository POLL, or an explicit load call.",
 )
 @option("--timeout-s", type=click.FloatRange(min=0), default=600.0, help="Readiness deadline after publishing.")
-@option("--download-timeout-s", type=click.FloatRange(min=0), default=3600.0, help="Deadline for the transfer.")
+@option(
+    "--download-timeout-s",
+    type=click.FloatRange(min=0),
+    default=3600.0,
+    help="Deadline for listing the source and transferring the model, together (exit 11 past it).",
+)
 @option(
     "--stall-timeout-s",
     type=click.FloatRange(min=0.1),

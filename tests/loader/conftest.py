@@ -8,11 +8,11 @@ local folder (or, for ``http_server``, a file) in the store and returns the URI 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.support.storage import GcsEmulator, HttpFileServer, MotoS3, RcloneS3
+from tests.support.storage import GcsEmulator, HttpFileServer, MotoS3, RcloneS3, SlowS3Lister
 from tests.support.triton import TritonServer
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.triton import TritonClient
@@ -74,6 +74,22 @@ def gcs_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[GcsEmulator]:
     _isolate(monkeypatch, server.env())
     yield server
     server.stop()
+
+
+@pytest.fixture
+def slow_s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., SlowS3Lister]]:
+    """Starts ``SlowS3Lister(**options)`` as the S3 endpoint (AWS_* in the env); stopped after the test."""
+    started: list[SlowS3Lister] = []
+
+    def start(**options: object) -> SlowS3Lister:
+        server = SlowS3Lister(**options).start()  # type: ignore[arg-type]
+        started.append(server)
+        _isolate(monkeypatch, server.env())
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 @pytest.fixture

@@ -6,14 +6,17 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 
-from tests.support.storage import Fault, GcsEmulator, HttpFileServer, tree_bytes
+from tests.support.storage import Fault, GcsEmulator, HttpFileServer, RangeDropper, tree_bytes
 from tritonshare.common.errors import SourceAccessDenied, SourceNotFound, TransientSourceError
 from tritonshare.loader.checksum import file_digest
-from tritonshare.loader.download import DownloadOptions, download_all, list_objects
+from tritonshare.loader.download import DownloadOptions, download_all
+from tritonshare.loader.listing import list_objects
 from tritonshare.loader.sources import open_source
 from tritonshare.loader.sources.base import RemoteObject
 from tritonshare.loader.sources.gcs import GcsSource, GoogleAuth
@@ -193,6 +196,66 @@ def test_a_big_object_corrupted_in_the_store_fails_its_crc32c_after_parts_and_wh
             download_all(source, list_objects(source, options), tmp_path, options)
     finally:
         source.close()
+
+
+@pytest.fixture
+def range_dropper(gcs_server: GcsEmulator, monkeypatch: pytest.MonkeyPatch) -> Iterator[RangeDropper]:
+    """The emulator behind a forwarder that drops the Range header, as STORAGE_EMULATOR_HOST: a store (or a proxy
+    in front of it) that ignores Range."""
+    dropper = RangeDropper(gcs_server.port).start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", dropper.endpoint)
+    yield dropper
+    dropper.stop()
+
+
+def media_gets(dropper: RangeDropper) -> list[tuple[str, str]]:
+    """(object name, Range dropped) of each download request the forwarder saw."""
+    gets = [(line.split()[1], dropped) for line, dropped in dropper.requests]
+    return [(unquote(path.split("?")[0].rsplit("/o/", 1)[1]), dropped) for path, dropped in gets if "alt=media" in path]
+
+
+PARTS = DownloadOptions(concurrency=4, retries=1, backoff_base_s=0.01, stall_timeout_s=5, part_bytes=300_000)
+
+
+def test_big_objects_from_a_store_that_ignores_range_come_whole(
+    gcs_server: GcsEmulator, range_dropper: RangeDropper, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = model_folder(tmp_path)  # 1.5 MB of weights: five parts of 300,000 bytes
+    (folder / "1" / "other.bin").write_bytes(os.urandom(700_000))  # three
+    uri = gcs_server.serve(folder)
+    (tmp_path / "dest").mkdir()
+    source = open_source(uri)
+    try:
+        with caplog.at_level(logging.WARNING):
+            download_all(source, list_objects(source, PARTS), tmp_path / "dest", PARTS)
+    finally:
+        source.close()
+    assert tree_bytes(tmp_path / "dest") == tree_bytes(folder)  # (it failed: "the store ignored the Range header")
+    warned = [r.getMessage() for r in caplog.records if "ignores the Range header" in r.getMessage()]
+    assert warned == [
+        "gs://models: the store ignores the Range header (a ranged GET got the whole object) — fetching big objects "
+        "whole, one stream each, which is slower than in parallel parts; check the server at STORAGE_EMULATOR_HOST, "
+        "which drops Range or ignores it"
+    ]
+    big = ("model/1/other.bin", "model/1/weights.bin")
+    gets = media_gets(range_dropper)
+    assert sorted(name for name, dropped in gets if name in big and not dropped) == sorted(big)  # one GET each
+    assert 1 <= sum(1 for name, dropped in gets if name in big and dropped) <= PARTS.concurrency
+
+
+def test_a_big_object_a_store_sends_whole_is_still_verified_against_its_crc32c(
+    gcs_server: GcsEmulator, range_dropper: RangeDropper, tmp_path: Path
+) -> None:
+    data = os.urandom(1_000_000)
+    uri = gcs_server.put("models", "m/w.bin", data)
+    gcs_server.tamper("models", "m/w.bin", bytes([data[0] ^ 1]) + data[1:])  # the listed CRC32C is the original's
+    source = open_source(uri)
+    try:
+        with pytest.raises(TransientSourceError, match=r"m/w.bin: crc32c checksum mismatch .*gave up after 2 attempts"):
+            download_all(source, list_objects(source, PARTS), tmp_path, PARTS)
+    finally:
+        source.close()
+    assert [dropped for _, dropped in media_gets(range_dropper)][-2:] == ["", ""]  # whole, twice
 
 
 def _no_ambient_google_credentials(monkeypatch: pytest.MonkeyPatch) -> None:

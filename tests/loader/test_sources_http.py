@@ -6,6 +6,7 @@ import asyncio
 import base64
 import dataclasses
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -20,7 +21,7 @@ from aiohttp import web
 
 from tests.loader.test_sources_transport import RawServer
 from tests.support.ports import free_port, wait_port
-from tests.support.storage import Fault, HttpFileServer, make_tar
+from tests.support.storage import Fault, HttpFileServer, RangeDropper, make_tar
 from tritonshare.common.errors import (
     SourceAccessDenied,
     SourceError,
@@ -28,7 +29,8 @@ from tritonshare.common.errors import (
     TransientSourceError,
     UsageError,
 )
-from tritonshare.loader.download import DownloadOptions, download_all, list_objects
+from tritonshare.loader.download import DownloadOptions, download_all
+from tritonshare.loader.listing import list_objects
 from tritonshare.loader.sources.base import RemoteObject
 from tritonshare.loader.sources.http import HttpSource, checksum_from
 
@@ -287,8 +289,9 @@ def test_a_big_file_from_a_server_that_serves_ranges_comes_in_parts(
 class Nginx:
     """nginx serving ``root``: ETags and If-Range as a production file server does them."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, headers: dict[str, str] | None = None) -> None:
         self.root, self.port = root, free_port()
+        self.headers = headers or {}  # added to every answer (add_header), as a checksum a server states
         self.run = root.parent / "nginx-run"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -302,10 +305,11 @@ class Nginx:
         temps = " ".join(
             f"{kind}_temp_path {self.run / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
         )
+        added = " ".join(f'add_header {name} "{value}";' for name, value in self.headers.items())
         (self.run / "nginx.conf").write_text(
             f"daemon off; master_process off; pid {self.run / 'pid'}; error_log {self.run / 'error.log'};\n"
             f"events {{}} http {{ access_log off; {temps}\n"
-            f"  server {{ listen 127.0.0.1:{self.port}; root {self.root}; }} }}\n"
+            f"  server {{ listen 127.0.0.1:{self.port}; root {self.root}; {added} }} }}\n"
         )
         self.process = subprocess.Popen(["nginx", "-c", str(self.run / "nginx.conf"), "-p", str(self.run)])
         wait_port(self.port)
@@ -341,6 +345,44 @@ def _changed_after_listing(server: Nginx, tmp_path: Path, size: int) -> None:
     with pytest.raises(TransientSourceError, match=r"the file changed since it was listed, or the server ignores"):
         download_all(source, listed, tmp_path / "dest", options)
     source.close()
+
+
+@pytest.mark.parametrize("stated", ["its digest", "another file's digest"])
+def test_a_big_file_from_a_server_that_ignores_range_comes_whole_verified_by_its_digest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, stated: str
+) -> None:
+    # a 200 to a part's GET failed the part as transient, retried until the loader gave up
+    data = os.urandom(1_000_000)
+    digest = hashlib.sha256(data if stated == "its digest" else data[::-1]).digest()
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "model.bin").write_bytes(data)
+    server = Nginx(tmp_path / "www", headers={"Repr-Digest": f"sha-256=:{base64.b64encode(digest).decode()}:"})
+    server.start()
+    dropper = RangeDropper(server.port).start()
+    url = f"{dropper.endpoint}/model.bin"
+    options = DownloadOptions(concurrency=4, retries=1, backoff_base_s=0.01, stall_timeout_s=5, part_bytes=300_000)
+    (tmp_path / "dest").mkdir()
+    try:
+        with caplog.at_level(logging.WARNING):
+            if stated == "its digest":
+                download(url, tmp_path / "dest", options)
+            else:
+                with pytest.raises(TransientSourceError, match=r"sha256 checksum mismatch .*gave up after 2 attempts"):
+                    download(url, tmp_path / "dest", options)
+    finally:
+        dropper.stop()
+        server.stop()
+    if stated == "its digest":
+        assert (tmp_path / "dest" / "model.bin").read_bytes() == data
+    warned = [r.getMessage() for r in caplog.records if "ignores the Range header" in r.getMessage()]
+    assert warned == [
+        f"{url}: the server ignores the Range header (a ranged GET got the whole object) — "
+        "fetching big objects whole, one stream each, which is slower than in parallel parts; check the web server, "
+        "or a proxy in front of it that drops Range"
+    ]
+    gets = [dropped for line, dropped in dropper.requests if line.startswith("GET ")]
+    wholes = 1 if stated == "its digest" else 2  # the retry of a whole file is whole too
+    assert 1 <= len(gets) - wholes <= options.concurrency and all(gets[:-wholes]) and gets[-wholes:] == [""] * wholes
 
 
 def test_a_file_without_a_validator_comes_whole_not_in_parts(tmp_path: Path) -> None:

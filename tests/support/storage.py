@@ -8,6 +8,9 @@
   (:class:`Fault`: a status, corrupted bytes, a stall), so error paths are driven by real HTTP.
 * :class:`RangeDropper` — a raw forwarder in front of any of them that drops the Range header: a store (or
   a proxy) that ignores Range, with the real store's answers otherwise.
+* :class:`SlowS3Lister` — an aiohttp server answering S3 ListObjectsV2 slowly (each page late, continuation
+  pages without end, or a page trickling in), and every object's GET a trickle: a store that never trips a read
+  timeout and never finishes.
 
 Each server's ``env()`` is what a client process needs to reach it (``AWS_ENDPOINT_URL``,
 ``STORAGE_EMULATOR_HOST``...); each ``serve(folder)`` uploads a local folder and returns its URI.
@@ -238,6 +241,100 @@ class RangeDropper:
                         client.sendall(data)
             except OSError:
                 pass  # the client hung up (a response it does not read to its end)
+
+
+@dataclass
+class SlowS3Lister:
+    """S3's ListObjectsV2 for any bucket and prefix, slowly: each page ``page_delay_s`` late, ``pages`` of them
+    (None: a continuation token on every page, without end), each page listing one object ``<prefix>f<N>.bin`` of
+    ``object_bytes``; with ``trickle`` a page's body comes 10 bytes every 0.3 s (~10 s a page). An object's GET
+    sends 20 bytes every 50 ms. Never so slow that a read times out. Counts the listing pages asked for."""
+
+    pages: int | None = None
+    page_delay_s: float = 0.3
+    trickle: bool = False
+    object_bytes: int = 100_000
+    port: int = field(default_factory=free_port)
+    pages_asked: int = 0
+    _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
+    _runner: Any = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+
+    def start(self) -> SlowS3Lister:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="slow-s3", daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def stop(self) -> None:
+        assert self._loop is not None and self._thread is not None
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _start(self) -> None:
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_get("/{bucket}/", self._list)  # path-style: the bucket's URL, its key empty
+        app.router.add_get("/{bucket}/{key:.+}", self._object)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def _shutdown(self) -> None:
+        await self._runner.cleanup()
+        slow = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in slow:
+            task.cancel()
+        await asyncio.gather(*slow, return_exceptions=True)
+
+    async def _list(self, request: Any) -> Any:
+        from aiohttp import web
+
+        self.pages_asked += 1
+        number = int(request.query.get("continuation-token") or 0) + 1
+        more = self.pages is None or number < self.pages
+        etag = hashlib.md5(bytes(self.object_bytes)).hexdigest()
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+            f"<IsTruncated>{'true' if more else 'false'}</IsTruncated>"
+            + (f"<NextContinuationToken>{number}</NextContinuationToken>" if more else "")
+            + f"<Contents><Key>{request.query.get('prefix', '')}f{number}.bin</Key><Size>{self.object_bytes}</Size>"
+            f'<ETag>"{etag}"</ETag></Contents></ListBucketResult>'
+        ).encode()
+        await asyncio.sleep(self.page_delay_s)
+        response = web.StreamResponse(headers={"Content-Type": "application/xml"})
+        response.content_length = len(body)
+        await response.prepare(request)
+        step = 10 if self.trickle else len(body)
+        for start in range(0, len(body), step):
+            await response.write(body[start : start + step])
+            if self.trickle:
+                await asyncio.sleep(0.3)
+        await response.write_eof()
+        return response
+
+    async def _object(self, request: Any) -> Any:
+        from aiohttp import web
+
+        response = web.StreamResponse()  # 200 to a whole-object range: accepted as the whole object
+        response.content_length = self.object_bytes
+        await response.prepare(request)
+        for _ in range(0, self.object_bytes, 20):
+            await response.write(bytes(20))
+            await asyncio.sleep(0.05)
+        return response
 
 
 def _die_with_parent() -> None:

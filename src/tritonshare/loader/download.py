@@ -13,7 +13,8 @@
   read, a size or checksum mismatch) is repeated after an exponential backoff with jitter, up to
   ``options.retries`` more times; a part resumes where it stopped; permanent errors stop the whole download.
 * Deadlines: each read is bounded by ``stall_timeout_s`` inside the source (kserve#5611), the whole
-  transfer by ``download_timeout_s``. On any failure the other transfers are cancelled — a stream source's
+  listing and transfer together by ``download_timeout_s`` (:mod:`tritonshare.loader.listing`: the transfer gets
+  what the listing left, ``listing_s``). On any failure the other transfers are cancelled — a stream source's
   requests aborted, so a worker waiting on a store that trickles bytes wakes too — and their threads joined
   before the error is raised, so nothing writes into the folder afterwards.
 * Verified: each object's size and, where the store states one, its cheapest checksum
@@ -69,7 +70,8 @@ class DownloadOptions:
     concurrency: int = 16  # objects transferred at once
     retries: int = 5  # attempts per object after the first
     stall_timeout_s: float = 60.0  # a read that brings no byte for this long fails the attempt
-    download_timeout_s: float = 3600.0  # the whole transfer
+    download_timeout_s: float = 3600.0  # the listing and the transfer, together
+    listing_s: float = 0.0  # what the listing took of download_timeout_s: the transfer has the rest
     backoff_base_s: float = 0.5  # first retry waits 0.5-1x this, doubling per attempt
     backoff_max_s: float = 30.0
     progress_interval_s: float = 5.0
@@ -87,6 +89,16 @@ class DownloadOptions:
             stall_timeout_s=settings.stall_timeout_s,
             download_timeout_s=settings.download_timeout_s,
         )
+
+    @property
+    def transfer_s(self) -> float:
+        """The transfer's deadline, from its start: what the listing left of ``download_timeout_s``."""
+        return max(0.0, self.download_timeout_s - self.listing_s)
+
+    def timeout_text(self) -> str:
+        """``download_timeout_s`` for a deadline's message, with what the listing took of it."""
+        listed = f" (the listing took {self.listing_s:.1f} s of it)" if self.listing_s >= 0.05 else ""
+        return f"{self.download_timeout_s:g} s{listed}"
 
     def part_size(self, size: int) -> int:
         """The part size for an object of ``size`` bytes: ``part_bytes``, or more (whole MiB) to stay within
@@ -122,13 +134,6 @@ class _Cancelled(TritonshareError):
 def listed_bytes(objects: Iterable[RemoteObject]) -> int:
     """Total size the store announced (objects of unknown size count 0): what the free-space check needs."""
     return sum(max(obj.size, 0) for obj in objects)
-
-
-def list_objects(
-    source: Source, options: DownloadOptions, *, sleep: Sleep = time.sleep, rand: Random = random.random
-) -> list[RemoteObject]:
-    """``source.list()``, retried on transient errors like a download."""
-    return with_retries(source.list, options, sleep, rand)
 
 
 def download_all(
@@ -211,7 +216,7 @@ class _Transfer:
         self.objects_done = 0
         self.retries = 0
         self.started = clock()
-        self.deadline = self.started + options.download_timeout_s
+        self.deadline = self.started + options.transfer_s
         self.total = 0
 
     def run(self, plan: list[tuple[RemoteObject, Path]]) -> DownloadStats:
@@ -282,7 +287,7 @@ class _Transfer:
 
     def _deadline_error(self) -> TransientSourceError:
         return TransientSourceError(
-            f"{self.source.uri}: download did not finish within {self.options.download_timeout_s:g} s "
+            f"{self.source.uri}: download did not finish within {self.options.timeout_text()} "
             f"({self.bytes_done / MIB:.1f} of {self.total / MIB:.1f} MiB) — raise --download-timeout-s "
             "or check the network to the store"
         )

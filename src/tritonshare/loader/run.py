@@ -4,7 +4,8 @@ Phases, each logged with its duration::
 
     triton    Triton answers (else exit 13 before anything is downloaded)
     list      the source's objects → listing digest → reuse, conflict (14) or go on — NAME held by another
-              install that no pod uses any more (every other lease expired) is retired first
+              install that no pod uses any more (every other lease expired) is retired first; the listing and
+              the download share --download-timeout-s (11 past it, naming the phase)
     space     listed bytes vs free space on the staging filesystem (15)
     download  into a fresh staging folder; a source that is one tar archive (.tar, .tar.gz, .tgz) in a store
               that streams (HTTP, S3, GCS) is unpacked as it arrives, the archive never landing on disk (logged
@@ -26,6 +27,7 @@ model (REFERENCE §2).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import time
@@ -49,7 +51,7 @@ from tritonshare.common.lease import Heartbeat, LeaseStore
 from tritonshare.common.repository import InstallRecord, discard, make_folder, new_staging_dir
 from tritonshare.common.triton import TritonClient
 from tritonshare.loader import sources
-from tritonshare.loader.download import MIB, DownloadOptions, download_all, list_objects, listed_bytes
+from tritonshare.loader.download import MIB, DownloadOptions, download_all, listed_bytes
 from tritonshare.loader.install import (
     Installed,
     Withdrawal,
@@ -60,6 +62,7 @@ from tritonshare.loader.install import (
     users,
     withdraw,
 )
+from tritonshare.loader.listing import list_objects
 from tritonshare.loader.model import prepare
 from tritonshare.loader.readiness import BEFORE_PUBLISH, MODES, wait_live
 from tritonshare.loader.settings import LoaderSettings
@@ -176,7 +179,9 @@ def _fetch_and_install(
     try:
         options = DownloadOptions.from_settings(settings)
         with timings.phase("list"):
+            started = time.monotonic()
             objects = list_objects(source, options)
+            options = dataclasses.replace(options, listing_s=time.monotonic() - started)  # the transfer has the rest
         digest = listing_digest(objects, query_identity(settings.source))
         record = InstallRecord(name=settings.name, source=display_uri(settings.source), digest=digest)
         found = _existing_or_free(settings, client, record)

@@ -24,7 +24,7 @@ class LoaderSettings:
     triton_url: str = "http://127.0.0.1:8000"
     mode: Mode = "poll"
     timeout_s: float = 600.0  # readiness deadline, counted from publishing
-    download_timeout_s: float = 3600.0  # overall deadline for the transfer
+    download_timeout_s: float = 3600.0  # overall deadline for the listing and the transfer, together
     stall_timeout_s: float = 60.0  # a read that brings no byte for this long is a transient failure
     retries: int = 5  # attempts per object after the first, with exponential backoff
     concurrency: int = 16  # objects downloaded at once

@@ -79,7 +79,7 @@ def fetch_and_unpack(
     retrying transient failures. ``max_bytes`` bounds what the unpacked files may take (the free space).
     Raises as :func:`~tritonshare.loader.download.download_all` and :func:`~tritonshare.loader.archive.unpack`."""
     started = clock()
-    deadline = started + options.download_timeout_s
+    deadline = started + options.transfer_s
     retries = 0
 
     def attempt() -> int:
@@ -90,7 +90,7 @@ def fetch_and_unpack(
         nonlocal retries
         retries += 1
         if clock() + delay >= deadline:
-            raise TransientSourceError(f"{obj.key}: not downloaded within {options.download_timeout_s:g} s")
+            raise TransientSourceError(f"{obj.key}: not downloaded within {options.timeout_text()}")
         sleep(delay)
 
     received = with_retries(attempt, options, pause, rand)
@@ -240,7 +240,7 @@ class _Stream:
 
     def _too_late(self) -> TransientSourceError:
         return TransientSourceError(
-            f"{self.obj.key}: not downloaded within {self.options.download_timeout_s:g} s "
+            f"{self.obj.key}: not downloaded within {self.options.timeout_text()} "
             f"({self.received / MIB:.1f} MiB so far) — raise --download-timeout-s or check the network"
         )
 

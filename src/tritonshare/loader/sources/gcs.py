@@ -15,6 +15,10 @@ Listing follows the S3 rule: ``gs://b/model`` is the folder ``model/``, else the
 Each object is pinned to the generation listed, so a replaced object cannot mix into a download, and
 verified with the CRC32C GCS keeps for every object (composite objects have no MD5). Bytes are asked for as
 stored (``Accept-Encoding: gzip``: no decompressive transcoding), which is what size and CRC32C describe.
+
+A part's GET answered with 200 and the whole object (an emulator, or a proxy in front of GCS, that ignores Range)
+is said once and big objects then come whole (:class:`~tritonshare.loader.sources.stream.RangeSupport`), pinned
+to the listed generation and verified against the listed size and CRC32C.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from tritonshare.loader.sources.base import (
     folder_or_object,
     register,
 )
-from tritonshare.loader.sources.stream import Body, Part, fetch_stream
+from tritonshare.loader.sources.stream import Body, Part, RangeSupport, fetch_stream
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, transport_error
 
 logger = logging.getLogger(__name__)
@@ -133,6 +137,8 @@ class GcsSource:
         self.endpoint, emulated = endpoint_of(environ)
         self._auth = None if emulated else GoogleAuth(uri, environ=environ)
         self._transport = transport or Transport()
+        where = "the server at STORAGE_EMULATOR_HOST" if emulated else "the proxy between the node and GCS"
+        self._range = RangeSupport(f"gs://{self.bucket}", f"check {where}, which drops Range or ignores it")
 
     def list(self) -> Listing:
         return folder_or_object(self.uri, f"gs://{self.bucket}", self.key, self._list_folder, self._exact)
@@ -143,15 +149,22 @@ class GcsSource:
         headers = {"Accept-Encoding": "gzip"} | ({"Range": part.header} if part else {})
         if part:
             what += f" (bytes {part.offset}-{part.offset + part.length - 1})"
+            self._range.check(what)  # known from an earlier part: no request
         path = f"/download/storage/v1/b/{quote(self.bucket, safe='')}/o/{quote(obj.key, safe='')}"
         response = self._get(path, query, headers, stall_timeout_s, what)
         if part and not (response.header("Content-Range") or "").startswith(f"bytes {part.offset}-"):
             response.close()
-            raise TransientSourceError(f"{what}: the store ignored the Range header")
+            if response.status == 200:  # the whole object (of the listed generation): Range is ignored
+                raise self._range.whole_answer(what)
+            raise TransientSourceError(
+                f"{what}: the store answered with other bytes (HTTP {response.status}, "
+                f"{response.header('Content-Range') or 'no Content-Range'})"
+            )
         return ResponseBody(response, what, network_error)  # the listed CRC32C is checked
 
     def ranged(self, obj: RemoteObject) -> bool:
-        return True
+        """In parts, unless the store turned out to ignore Range."""
+        return not self._range.ignored
 
     def whole_checksum(self, obj: RemoteObject, stall_timeout_s: float) -> Checksum | None:
         return None  # the listing's CRC32C covers the whole object

@@ -12,6 +12,12 @@ Credentials in the URL (``https://user:password@host/…``) are sent as HTTP Bas
 sends them, and only to that origin: a redirect elsewhere does not carry them. Messages, logs and what the
 node keeps name the URL without them and with its query values masked
 (:func:`~tritonshare.loader.sources.base.display_uri`).
+
+A part's GET answered with 200 and the whole file as listed (the same ETag or Last-Modified: a server, or a proxy
+in front of it, that ignores Range) is said once, and the file then comes whole
+(:class:`~tritonshare.loader.sources.stream.RangeSupport`), verified against the listed size and checksum. A 200
+with another validator is the file changed since it was listed (``If-Range`` did that): a transient failure, as
+before, never a file put together from two versions.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from tritonshare.common.errors import (
     clip,
 )
 from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, display_uri, register
-from tritonshare.loader.sources.stream import Body, Part, fetch_stream
+from tritonshare.loader.sources.stream import Body, Part, RangeSupport, fetch_stream
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, failure_kind
 
 LIST_TIMEOUT_S = 60.0
@@ -70,6 +76,9 @@ class HttpSource:
         self._auth = _basic_auth(parts.username, parts.password)
         self._transport = transport or Transport()
         self._ranges = False  # the server said Accept-Ranges: bytes
+        self._range = RangeSupport(
+            self.uri, "check the web server, or a proxy in front of it that drops Range", noun="server"
+        )
 
     def list(self) -> list[RemoteObject]:
         headers = self._headers()
@@ -81,7 +90,7 @@ class HttpSource:
                 relpath=self.name,
                 size=int(length) if length and length.isdigit() else -1,
                 checksum=checksum_from(headers),
-                version=headers.get("ETag") or headers.get("Last-Modified") or "",
+                version=_version(headers),
             )
         ]
 
@@ -93,10 +102,14 @@ class HttpSource:
         if part:
             headers = {**HEADERS, "Range": part.header, "If-Range": obj.version}
         what = f"{obj.key} (bytes {part.offset}-{part.offset + part.length - 1})" if part else obj.key
+        if part:
+            self._range.check(what)  # known from an earlier part: no request
         response = self._request("GET", self._url, headers, stall_timeout_s, what)
         expected = f"bytes {part.offset}-{part.offset + part.length - 1}/{obj.size}" if part else ""
         if part and (response.status != 206 or (response.header("Content-Range") or "").strip() != expected):
             response.close()
+            if response.status == 200 and _version(response.headers) == obj.version:  # the file as listed, whole
+                raise self._range.whole_answer(what)
             raise TransientSourceError(
                 f"{what}: the server did not answer with that range of the {obj.size}-byte file listed "
                 f"(HTTP {response.status}, {response.header('Content-Range') or 'no Content-Range'}): the file "
@@ -107,7 +120,8 @@ class HttpSource:
     def ranged(self, obj: RemoteObject) -> bool:
         """In parts only a file a validator pins (its ETag, unless weak, or Last-Modified): parts of a file
         the server cannot tell apart from a newer one could mix two versions."""
-        return self._ranges and obj.size > 0 and bool(obj.version) and not obj.version.startswith("W/")
+        pinned = bool(obj.version) and not obj.version.startswith("W/")
+        return self._ranges and obj.size > 0 and pinned and not self._range.ignored
 
     def whole_checksum(self, obj: RemoteObject, stall_timeout_s: float) -> Checksum | None:
         return None  # a server states none beyond what a whole answer's headers say
@@ -155,6 +169,11 @@ class HttpSource:
             response.close()
             url = urljoin(url, location)
         raise SourceError(f"{what}: more than {MAX_REDIRECTS} redirects — check the URL")
+
+
+def _version(headers: Message) -> str:
+    """What an answer's headers say of the file's version: its ETag, else its Last-Modified ("" when neither)."""
+    return headers.get("ETag") or headers.get("Last-Modified") or ""
 
 
 def _origin(url: str) -> tuple[str, str, int]:

@@ -34,9 +34,8 @@ which a range (a seek) turns off: 17 % less server CPU, 15 % less time for 200 f
 ``x-amz-checksum-mode``: a ranged answer would not carry the checksum.
 
 A store that ignores Range (some S3-compatible servers, or a proxy in front of the store that drops the header)
-answers a part's GET with 200 and the whole object. That is said once, as a warning, and every part from then on
-raises :class:`~tritonshare.common.errors.RangeIgnored` without a request: the engine fetches each big object
-whole instead, one GET streamed to disk and verified as any whole object (against the listed ETag and size).
+answers a part's GET with 200 and the whole object: :class:`~tritonshare.loader.sources.stream.RangeSupport`
+says so once, and the engine fetches each big object whole instead, verified against the listed ETag and size.
 """
 
 from __future__ import annotations
@@ -55,7 +54,6 @@ from typing import Literal
 from urllib.parse import quote, urlsplit
 
 from tritonshare.common.errors import (
-    RangeIgnored,
     SourceAccessDenied,
     SourceError,
     SourceNotFound,
@@ -73,7 +71,7 @@ from tritonshare.loader.sources.base import (
     register,
 )
 from tritonshare.loader.sources.s3_auth import DEFAULT_REGION, DENIED_HINT, CredentialChain, Signer
-from tritonshare.loader.sources.stream import Body, Part, fetch_stream
+from tritonshare.loader.sources.stream import Body, Part, RangeSupport, fetch_stream
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, transport_error
 
 logger = logging.getLogger(__name__)
@@ -156,7 +154,9 @@ class S3Source:
         self._endpoint: Endpoint | None = None
         self._lock = threading.Lock()
         self._flexible: set[str] = set()  # keys whose listing names a flexible checksum the engine can compute
-        self._ignores_range = False  # a part's GET got the whole object: parts are not asked for any more
+        self._range = RangeSupport(
+            f"s3://{self.bucket}", "check the server at AWS_ENDPOINT_URL, or a proxy in front of it that drops Range"
+        )
 
     def list(self) -> Listing:
         return folder_or_object(self.uri, f"s3://{self.bucket}", self.key, self._list_folder, self._head)
@@ -168,14 +168,12 @@ class S3Source:
         signed = {"range": ranged.header} if ranged else {"x-amz-checksum-mode": "ENABLED"}
         if part:
             what += f" (bytes {part.offset}-{part.offset + part.length - 1})"
-            if self._ignores_range:  # known from an earlier part: no request
-                raise RangeIgnored(f"{what}: the store ignores the Range header")
+            self._range.check(what)  # known from an earlier part: no request
         response = self._request("GET", obj.key, {}, signed, pinned, stall_timeout_s, what)
         if ranged and not _answers_range(response, ranged, whole=part is None):
             response.close()
             if response.status == 200:  # the whole object, for a part: the store ignores Range
-                self._ranges_ignored()
-                raise RangeIgnored(f"{what}: the store ignored the Range header (HTTP 200, the whole object)")
+                raise self._range.whole_answer(what)
             raise TransientSourceError(f"{what}: the store ignored the Range header")
         if ranged and part is None and response.status != 200 and not _whole(response, obj.size):
             response.close()  # a store that does not honour If-Match: the size tells
@@ -194,19 +192,7 @@ class S3Source:
 
     def ranged(self, obj: RemoteObject) -> bool:
         """In parts, unless the store turned out to ignore Range."""
-        return not self._ignores_range
-
-    def _ranges_ignored(self) -> None:
-        """Remember that the store ignores Range, and say so once."""
-        with self._lock:
-            first, self._ignores_range = not self._ignores_range, True
-        if first:
-            logger.warning(
-                "s3://%s: the store ignores the Range header (a ranged GET got the whole object) — fetching big "
-                "objects whole, one stream each, which is slower than in parallel parts; check the server at "
-                "AWS_ENDPOINT_URL, or a proxy in front of it that drops Range",
-                self.bucket,
-            )
+        return not self._range.ignored
 
     def whole_checksum(self, obj: RemoteObject, stall_timeout_s: float) -> Checksum | None:
         """The object's flexible checksum, from a HEAD, when its listing named one (else no request)."""

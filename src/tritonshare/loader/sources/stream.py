@@ -5,17 +5,28 @@ into one reused buffer per thread, writes it with ``pwrite`` and feeds the same 
 the same pass — the file is never read back. Memory stays at one buffer per transfer whatever the object's
 size (seldon#6830, kserve#5162). A ``Body`` translates its transport's errors into the error tree; errors
 writing the destination (a full disk) stay ``OSError`` for the engine to classify.
+
+A store that ignores Range (some S3-compatible servers, a web server, or a proxy in front of either that drops
+the header) answers a part's GET with 200 and the whole object. :class:`RangeSupport` is how every network
+source handles that: said once, as a warning, and every part from then on raises
+:class:`~tritonshare.common.errors.RangeIgnored` without a request, so the engine fetches each big object
+whole instead, one GET streamed to disk and verified as any whole object (against the listed size and checksum).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from tritonshare.common.errors import RangeIgnored
 from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject
+
+logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # large enough to keep per-chunk Python overhead small, small enough for 16 at once
 
@@ -49,6 +60,43 @@ class Body(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class RangeSupport:
+    """Whether a store serves byte ranges, as far as its answers tell: it does until a part's GET comes back
+    whole (HTTP 200). Thread-safe: the engine's threads ask for parts at once.
+
+    ``store`` names the store in the warning (``s3://bucket``, the URL); ``hint`` says what to check."""
+
+    def __init__(self, store: str, hint: str, *, noun: str = "store") -> None:
+        self._store, self._hint, self._noun = store, hint, noun
+        self._ignored = False
+        self._lock = threading.Lock()
+
+    @property
+    def ignored(self) -> bool:
+        """True once a part's GET got the whole object: no part is asked for any more."""
+        return self._ignored
+
+    def check(self, what: str) -> None:
+        """Before a part's request: RangeIgnored, without a request, when the store is known to ignore Range."""
+        if self._ignored:
+            raise RangeIgnored(f"{what}: the {self._noun} ignores the Range header")
+
+    def whole_answer(self, what: str) -> RangeIgnored:
+        """A part's GET was answered with 200 and the whole object: remember it, warn the first time, and
+        return the error for the caller to raise (the engine then fetches the object whole)."""
+        with self._lock:
+            first, self._ignored = not self._ignored, True
+        if first:
+            logger.warning(
+                "%s: the %s ignores the Range header (a ranged GET got the whole object) — fetching big objects "
+                "whole, one stream each, which is slower than in parallel parts; %s",
+                self._store,
+                self._noun,
+                self._hint,
+            )
+        return RangeIgnored(f"{what}: the {self._noun} ignored the Range header (HTTP 200, the whole object)")
 
 
 @runtime_checkable
