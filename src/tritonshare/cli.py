@@ -416,12 +416,16 @@ def proxy(
         strip_headers=tuple(h.lower() for h in strip_headers),
         **options,  # the remaining option names are ProxySettings' field names
     )
+    on_drain = None
     if source:
         from tritonshare.pod import reinstall_if_missing
 
-        reinstall_if_missing(_reinstall_settings(source, settings), settings)
+        reinstall = reinstall_if_missing(_reinstall_settings(source, settings), settings)
+        on_drain = reinstall.stop if reinstall is not None else None
     # The proxy drains on SIGTERM itself; it writes its unload's failure to the termination log itself too.
-    run_command(lambda: run(settings), termination_log=settings.termination_log, stop_on_signals=False)
+    run_command(
+        lambda: run(settings, on_drain=on_drain), termination_log=settings.termination_log, stop_on_signals=False
+    )
 
 
 def _reinstall_settings(source: str, proxy: ProxySettings) -> LoaderSettings:
