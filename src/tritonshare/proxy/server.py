@@ -30,8 +30,7 @@ from collections.abc import Callable
 from tritonshare.common.errors import ExitCode
 from tritonshare.common.lease import Heartbeat, LeaseStore
 from tritonshare.common.repository import read_record
-from tritonshare.common.termination import write_termination_message
-from tritonshare.common.unload import UnloadSettings, unload_model
+from tritonshare.common.unload import UnloadSettings, ended, unload_model
 from tritonshare.proxy.grpc import GrpcFrontend
 from tritonshare.proxy.metrics_server import MetricsServer
 from tritonshare.proxy.rest import RestFrontend
@@ -209,7 +208,4 @@ def _unload(settings: ProxySettings) -> int:
         result.unloaded,
         result.kept,
     )
-    if result.exit_code != ExitCode.OK:
-        logger.error("exiting with %d: %s", result.exit_code, result.reason)
-        write_termination_message(result.reason, settings.termination_log)
-    return int(result.exit_code)
+    return ended(result, settings.termination_log)
