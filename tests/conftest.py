@@ -1,4 +1,5 @@
-"""Fixtures shared by every test tier: a node folder, a real Triton watching it, unique model names."""
+"""Fixtures shared by every test tier: a node folder, a real Triton watching it, unique model names, a slow
+HTTP store."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.storage import CrawlingHttpServer
 from tests.support.triton import TritonServer, triton_available, triton_venv
 from tritonshare.common.layout import NodeLayout
 
@@ -52,3 +54,12 @@ def explicit_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
 @pytest.fixture
 def model_name() -> str:
     return f"m-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def crawling_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CrawlingHttpServer]:
+    """An HTTP file server sending each body at 1 MiB/s: a download to stop midway."""
+    server = CrawlingHttpServer(tmp_path_factory.mktemp("http-root"))
+    server.start()
+    yield server
+    server.stop()

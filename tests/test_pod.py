@@ -1,8 +1,10 @@
 """tritonshare.pod: a proxy container restarted inside a live pod finds its model unloaded (its own SIGTERM
-did that) and, given the pod's SOURCE, installs it again while it serves — real Triton, real proxy processes."""
+did that) and, given the pod's SOURCE, installs it again while it serves — and a SIGTERM during that install
+stops it and cleans up before the proxy exits. Real Triton, real proxy processes, a real slow HTTP store."""
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.error
 import urllib.request
@@ -15,6 +17,7 @@ import tritonclient.http as httpclient
 from tests.support.install import install_model, model_ready
 from tests.support.models import write_model
 from tests.support.proxy import ProxyProcess
+from tests.support.storage import CrawlingHttpServer, big_model
 from tests.support.triton import TritonServer
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.repository import RECORD_FILE
@@ -22,6 +25,7 @@ from tritonshare.common.repository import RECORD_FILE
 pytestmark = [pytest.mark.triton]
 
 REINSTALLING = "installing it again from"
+MIB = 1 << 20
 
 
 def wait_ready(proxy: ProxyProcess, timeout_s: float = 60) -> None:
@@ -91,3 +95,45 @@ def test_a_proxy_whose_model_is_there_leaves_it_as_it_is(
         assert (record.read_bytes() if record.exists() else None) == before
     finally:
         assert proxy.terminate() == 0
+
+
+def staged(layout: NodeLayout, name: str) -> list[str]:
+    """The staging entries an install of ``name`` made (``NAME.download.<id>``)."""
+    return sorted(entry for entry in os.listdir(layout.staging) if entry.startswith(f"{name}."))
+
+
+@pytest.mark.storage
+@pytest.mark.parametrize("packing", ["zip", "tar"])  # download threads, ranged parts / unpacked as it arrives
+def test_sigterm_while_the_proxy_installs_its_model_again_stops_the_install_and_leaves_nothing_behind(
+    packing: str,
+    crawling_server: CrawlingHttpServer,
+    triton: TritonServer,
+    layout: NodeLayout,
+    model_name: str,
+    tmp_path: Path,
+) -> None:
+    """The pod is deleted while its restarted proxy fetches the model again (24 s at the store's pace): the
+    proxy's drain stops the install, its workspace goes, no folder for NAME is published behind the drain,
+    and the proxy exits within the grace period."""
+    source = crawling_server.serve(big_model(tmp_path, packing))
+    args = ["--source", source, "--drain-timeout-s", "5"]
+    proxy = ProxyProcess(model_name, triton, layout, tmp_path / "proxy.log", args).start()
+    try:
+        deadline = time.monotonic() + 30
+        while crawling_server.sent < 2 * MIB:
+            assert proxy.process is not None and proxy.process.poll() is None, proxy.log_text()
+            assert time.monotonic() < deadline, "the install did not start downloading"
+            time.sleep(0.05)
+        assert staged(layout, model_name) != []  # the install fills its workspace
+        stopped = time.monotonic()
+        code = proxy.terminate(timeout_s=30)
+        took = time.monotonic() - stopped
+    finally:
+        proxy.stop()
+    log = proxy.log_text()
+    assert code == 0, log
+    assert took < 5, f"the proxy took {took:.1f} s to exit: the kubelet's grace period is 30 s by default\n{log}"
+    assert staged(layout, model_name) == [], log
+    assert not layout.model_dir(model_name).exists()
+    assert f"install of {model_name} stopped by SIGTERM while downloading: cleaned up" in log
+    assert "Traceback" not in log

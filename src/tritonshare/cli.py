@@ -231,6 +231,7 @@ def loader_settings(params: dict[str, Any]) -> LoaderSettings:
     default=False,
     help="Without --pod-uid: remove NAME even while pods hold fresh leases on it (they lose their model).",
 )
+@termination_log_option
 def unload(
     name: str,
     repository: Path,
@@ -243,6 +244,7 @@ def unload(
     pod_namespace: str,
     timeout_s: float,
     force: bool,
+    termination_log: Path,
 ) -> None:
     """Drop this pod's lease on NAME and, unless another pod still uses it, remove NAME from the repository
     (rename out, then delete) and wait until Triton unloads it. Without --pod-uid (an operator), NAME is
@@ -251,9 +253,9 @@ def unload(
     Exit codes: 0 removed, or kept for another pod; 13 Triton kept it LOADING past --timeout-s; 14 (without
     --pod-uid) pods hold fresh leases on it, named in the message; 16 Triton did not answer (it may be starting
     up and loading it): the folder stays for `tritonshare gc`. In the 13 and 16 cases this pod's lease is
-    dropped.
+    dropped. On any exit but 0, the reason goes to --termination-log.
     """
-    from tritonshare.common.unload import UnloadSettings, unload_model
+    from tritonshare.common.unload import UnloadSettings, ended, unload_model
 
     settings = UnloadSettings(
         name=name,
@@ -265,7 +267,7 @@ def unload(
         force=force,
     )
 
-    run_command(lambda: unload_model(settings).exit_code)
+    run_command(lambda: ended(unload_model(settings), termination_log), termination_log=termination_log)
 
 
 @main.command()
@@ -422,12 +424,16 @@ def proxy(
         strip_headers=tuple(h.lower() for h in strip_headers),
         **options,  # the remaining option names are ProxySettings' field names
     )
+    on_drain = None
     if source:
         from tritonshare.pod import reinstall_if_missing
 
-        reinstall_if_missing(_reinstall_settings(source, settings), settings)
+        reinstall = reinstall_if_missing(_reinstall_settings(source, settings), settings)
+        on_drain = reinstall.stop if reinstall is not None else None
     # The proxy drains on SIGTERM itself; it writes its unload's failure to the termination log itself too.
-    run_command(lambda: run(settings), termination_log=settings.termination_log, stop_on_signals=False)
+    run_command(
+        lambda: run(settings, on_drain=on_drain), termination_log=settings.termination_log, stop_on_signals=False
+    )
 
 
 def _reinstall_settings(source: str, proxy: ProxySettings) -> LoaderSettings:

@@ -8,6 +8,11 @@ until it is deleted. Given the pod's SOURCE (``--source``, the same ``TRITONSHAR
 which the manifests give both containers), the proxy installs the model again when it finds it missing at
 start, exactly as ``tritonshare load`` does — with the loader's options read from the same TRITONSHARE_*
 variables — in a thread while it serves: readiness stays false until Triton serves the model.
+
+A SIGTERM while that install runs (the pod deleted mid-download) stops it as it stops ``tritonshare load``
+(:mod:`tritonshare.loader.stop`): the proxy's drain asks it to stop and waits, bounded, until it has cleaned
+up — its staging workspace deleted, its lease dropped — and only then unloads; the install publishes nothing
+once asked.
 """
 
 from __future__ import annotations
@@ -15,19 +20,26 @@ from __future__ import annotations
 import logging
 import threading
 
+from tritonshare.common.command import Stopped
 from tritonshare.common.errors import ExitCode, TritonshareError
 from tritonshare.loader.run import run as load
 from tritonshare.loader.settings import LoaderSettings
 from tritonshare.loader.sources.base import display_uri
+from tritonshare.loader.stop import Stop
 from tritonshare.proxy.settings import ProxySettings
 
 logger = logging.getLogger("tritonshare")
 
+# How long the drain waits for a stopped install to clean up. Its requests are aborted and its waits end at
+# once, so it takes well under a second; an explicit-mode load call in progress is the exception (it ends with
+# Triton's load, or gc removes what stays).
+STOP_WAIT_S = 10.0
 
-def reinstall_if_missing(loader: LoaderSettings, proxy: ProxySettings) -> threading.Thread | None:
+
+def reinstall_if_missing(loader: LoaderSettings, proxy: ProxySettings) -> Reinstall | None:
     """Start installing the proxy's model with ``loader`` (what ``tritonshare load`` would run in this pod) if
-    its folder is not in the repository; returns the thread doing it (None when the model is there). Failures
-    are logged: the proxy keeps serving, unready."""
+    its folder is not in the repository; returns the install under way (None when the model is there).
+    Failures are logged: the proxy keeps serving, unready."""
     if proxy.layout.model_dir(proxy.name).exists():
         return None
     logger.warning(
@@ -37,16 +49,48 @@ def reinstall_if_missing(loader: LoaderSettings, proxy: ProxySettings) -> thread
         proxy.layout.repository,
         display_uri(loader.source),
     )
-    thread = threading.Thread(target=_install, args=(loader,), name=f"reinstall-{proxy.name}", daemon=True)
-    thread.start()
-    return thread
+    return Reinstall(loader).start()
 
 
-def _install(settings: LoaderSettings) -> None:
-    try:
-        code = load(settings)
-    except TritonshareError as exc:
-        logger.error("could not install %s again: %s — the pod stays unready; delete it to retry", settings.name, exc)
-        return
-    if code != ExitCode.OK:
-        logger.error("could not install %s again (exit %d): the pod stays unready", settings.name, code)
+class Reinstall:
+    """The install of the proxy's model in a thread, stopped by the proxy's drain (:meth:`stop`)."""
+
+    def __init__(self, settings: LoaderSettings) -> None:
+        self.settings = settings
+        self._stop = Stop()
+        self.thread = threading.Thread(target=self._install, name=f"reinstall-{settings.name}", daemon=True)
+
+    def start(self) -> Reinstall:
+        self.thread.start()
+        return self
+
+    def stop(self, timeout_s: float = STOP_WAIT_S) -> None:
+        """Stop the install unless it has ended, and wait up to ``timeout_s`` for it to clean up. Once this
+        is called it publishes nothing; a folder it published before stays for the proxy's unload."""
+        if not self.thread.is_alive():
+            return
+        logger.info("stopping the install of %s: the proxy is draining", self.settings.name)
+        self._stop.request()
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            logger.warning(
+                "the install of %s did not stop within %.0f s: what it staged stays for `tritonshare gc`",
+                self.settings.name,
+                timeout_s,
+            )
+
+    def _install(self) -> None:
+        name = self.settings.name
+        try:
+            code = load(self.settings, stop=self._stop)
+        except Stopped as stop:
+            logger.warning("install of %s %s: cleaned up", name, stop)
+            return
+        except TritonshareError as exc:
+            if self._stop.requested:  # an error the stop's abort caused
+                logger.warning("install of %s stopped by the drain (%s): cleaned up", name, exc)
+                return
+            logger.error("could not install %s again: %s — the pod stays unready; delete it to retry", name, exc)
+            return
+        if code != ExitCode.OK:
+            logger.error("could not install %s again (exit %d): the pod stays unready", name, code)

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -200,3 +201,44 @@ def test_in_explicit_mode_a_model_another_pod_holds_keeps_being_served(
     assert client.model_ready(model_name) and layout.model_dir(model_name).is_dir()
     assert request_unload(client, model_name)  # tidy up: Triton accepts, and stops serving it
     assert not client.model_ready(model_name)
+
+
+# ---- `tritonshare unload`, the command: its exit code and termination message ------------------------------
+
+
+def unload_command(layout: NodeLayout, url: str, message: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable, "-m", "tritonshare.cli", "unload", "--name", "m", "--repository", str(layout.repository),
+        "--staging", str(layout.staging), "--leases", str(layout.leases), "--triton-url", url,
+        "--termination-log", str(message), *extra,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITONSHARE_")}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_a_failed_unload_command_says_why_in_its_termination_log(tmp_path: Path, triton: TritonServer) -> None:
+    """As `load` and `proxy` do: a preStop hook or a Job running unload shows its reason in the pod status."""
+    layout = node(tmp_path)
+    folder = publish(layout, "m")
+    message = tmp_path / "termination-log"
+    down = f"http://127.0.0.1:{free_port()}"
+    done = unload_command(layout, down, message, "--pod-uid", POD_A.uid, "--timeout-s", "0.5")
+    assert done.returncode == ExitCode.TRITON_UNAVAILABLE, done.stderr
+    assert message.read_text().startswith(f"{folder} stays in the repository: Triton at {down} does not answer")
+
+    message.unlink()
+    LeaseStore(layout.leases).acquire("m", Holder(uid="unload-pod-b", name="resnet-b", namespace="team-b"))
+    done = unload_command(layout, triton.url, message, "--timeout-s", "5")  # an operator: no --pod-uid
+    assert done.returncode == ExitCode.INSTALL_CONFLICT, done.stderr
+    assert message.read_text().startswith("m stays in the repository: in use by team-b/resnet-b (unload-pod-b)")
+    assert folder.is_dir()
+
+
+def test_an_unload_command_that_succeeds_writes_no_termination_message(tmp_path: Path, triton: TritonServer) -> None:
+    layout = node(tmp_path)
+    folder = publish(layout, "m")
+    LeaseStore(layout.leases).acquire("m", POD_A)
+    message = tmp_path / "termination-log"
+    done = unload_command(layout, triton.url, message, "--pod-uid", POD_A.uid, "--timeout-s", "5")
+    assert done.returncode == ExitCode.OK, done.stderr
+    assert not folder.exists() and not message.exists()

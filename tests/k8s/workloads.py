@@ -18,6 +18,7 @@ from tests.k8s.kustomize import Build, Container, container, containers, environ
 from tritonshare.cli import main as cli
 from tritonshare.common.triton import TritonClient
 from tritonshare.common.unload import UnloadSettings
+from tritonshare.pod import STOP_WAIT_S
 
 TRITONSHARE_IMAGE = re.compile(r"^(?:.+/)?tritonshare(?::|@|$)")
 MODEL_LABEL = "tritonshare.io/model"  # the pod label that holds the model NAME
@@ -124,9 +125,11 @@ def worst_case_shutdown_s(proxy: Container, params: dict[str, Any]) -> float:
     unload, which applies its timeout twice in a row — waiting until Triton is quiet on NAME (no answer, or
     LOADING, up to the deadline), then, the folder removed, until Triton stops serving it — each wait ending
     up to one poll interval and one Triton call past its deadline. The proxy passes no poll interval and makes
-    its own client, so both are the code's defaults. Not counted: deleting the folder (its size) and exiting."""
+    its own client, so both are the code's defaults. With --source, the drain also waits for a reinstall it
+    stopped, up to :data:`~tritonshare.pod.STOP_WAIT_S`, meanwhile. Not counted: deleting the folder (its size)
+    and exiting."""
     pre_stop: float = proxy.spec.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
-    total = pre_stop + params["drain_timeout_s"]
+    total = pre_stop + max(params["drain_timeout_s"], STOP_WAIT_S if params["source"] else 0.0)
     if params["unload_on_exit"]:
         interval = next(f.default for f in dataclasses.fields(UnloadSettings) if f.name == "poll_interval_s")
         call = inspect.signature(TritonClient).parameters["timeout_s"].default

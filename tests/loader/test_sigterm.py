@@ -5,21 +5,19 @@ free-space check, no lease for its pod — exit 143 and say why in its terminati
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.support.models import SLOW_START_MODEL, write_model
-from tests.support.storage import Fault, HttpFileServer, make_tar, make_zip
+from tests.support.storage import CrawlingHttpServer, Fault, big_model
 from tests.support.triton import REPO_ROOT, TritonServer
 from tritonshare.common.errors import ExitCode
 from tritonshare.common.layout import NodeLayout
@@ -31,35 +29,6 @@ pytestmark = [pytest.mark.triton, pytest.mark.storage]
 
 TRITONSHARE = REPO_ROOT / ".venv" / "bin" / "tritonshare"
 MIB = 1 << 20
-WEIGHTS_BYTES = 24 * MIB  # random, so neither archive compresses it: ranged parts for the zip, 24 s of tar
-CRAWL_BYTES_PER_S = 1 * MIB  # per response
-
-
-@dataclass
-class CrawlingHttpServer(HttpFileServer):
-    """The test HTTP file server, sending each body at ``bytes_per_s`` (0: at full speed), counting what it sent."""
-
-    bytes_per_s: int = CRAWL_BYTES_PER_S
-    sent: int = 0
-
-    async def _send_body(self, response: Any, data: bytes, fault: Fault | None) -> None:  # type: ignore[override]
-        if not self.bytes_per_s or fault is not None:
-            await HttpFileServer._send_body(response, data, fault)
-            return
-        step = max(1, self.bytes_per_s // 20)
-        for start in range(0, len(data), step):
-            await response.write(data[start : start + step])
-            self.sent += len(data[start : start + step])
-            await asyncio.sleep(0.05)
-        await response.write_eof()
-
-
-@pytest.fixture
-def crawling_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CrawlingHttpServer]:
-    server = CrawlingHttpServer(tmp_path_factory.mktemp("http-root"))
-    server.start()
-    yield server
-    server.stop()
 
 
 @dataclass(frozen=True)
@@ -106,14 +75,6 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) 
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-def big_model(folder: Path, packing: str) -> Path:
-    model = write_model(folder / "identity")
-    (model / "1" / "weights.bin").write_bytes(os.urandom(WEIGHTS_BYTES))
-    if packing == "zip":  # lands whole (ranged parts from the download threads, hashed as they land), then unpacks
-        return make_zip(model, folder / "identity.zip", arcname="identity")
-    return make_tar(model, folder / "identity.tar", compression="", arcname="identity")  # unpacked as it arrives
 
 
 def stop_with_sigterm(proc: subprocess.Popen[bytes], server: CrawlingHttpServer) -> float:

@@ -4,6 +4,7 @@ anyone who reaches it can fill them with connections that never send a byte."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ from tests.proxy.test_overload import LIVE, _metric, _until
 from tests.proxy.test_rest import Raw
 from tests.proxy.test_rest_access import get, infer
 from tests.support.proxy import ProxyProcess
+from tritonshare.proxy.metrics_server import MAX_CONNECTIONS
 
 pytestmark = pytest.mark.triton
 
@@ -60,3 +62,41 @@ def test_the_metrics_port_says_not_ready_from_the_moment_a_drain_begins(
     assert proxy.process.poll() is None  # still draining: the probe says so before the proxy goes
     running.join()
     assert proxy.process.wait(timeout=60) == 0
+
+
+def _open_fds(proxy: ProxyProcess) -> int:
+    return len(os.listdir(f"/proc/{proxy.pid}/fd"))
+
+
+def _closed_unanswered(sock: socket.socket) -> bool:
+    """Whether the proxy closed ``sock`` without a byte of answer (its probe, sent, gets nothing back)."""
+    sock.settimeout(5)
+    try:
+        sock.sendall(LIVE)
+        return sock.recv(1024) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+
+
+def test_a_flood_of_silent_connections_to_the_metrics_port_is_capped_and_a_probe_answers_once_one_ends(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
+) -> None:
+    """Uncapped, each silent connection held a descriptor for 10 s: a flood used the open-files limit, past
+    which every port's accepts fail. Now the port holds MAX_CONNECTIONS; one more is closed at accept."""
+    proxy = start_proxy(served_models.own, "--no-unload")
+    before = _open_fds(proxy)
+    silent = [socket.create_connection(("127.0.0.1", proxy.metrics_port)) for _ in range(MAX_CONNECTIONS)]
+    flood: list[socket.socket] = []
+    try:
+        _until(lambda: _open_fds(proxy) >= MAX_CONNECTIONS)  # the proxy holds them
+        flood = [socket.create_connection(("127.0.0.1", proxy.metrics_port)) for _ in range(2 * MAX_CONNECTIONS)]
+        assert all(_closed_unanswered(sock) for sock in flood)  # the probe too: the port is full
+        assert _open_fds(proxy) < before + MAX_CONNECTIONS + 8  # not one descriptor per connection
+        silent.pop().close()
+        _until(lambda: get(proxy.metrics_port, "/v2/health/ready")[0] == 200)
+        assert _metric(proxy, "tritonshare_proxy_refusals_total", protocol="metrics") == 2 * MAX_CONNECTIONS
+        assert proxy.log_text().count(f"the metrics port {proxy.metrics_port} holds {MAX_CONNECTIONS}") == 1
+    finally:
+        for sock in silent + flood:
+            sock.close()
+    _until(lambda: get(proxy.metrics_port, "/v2/health/live")[0] == 200)

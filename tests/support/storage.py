@@ -6,6 +6,7 @@
 * :class:`GcsEmulator` — gcp-storage-emulator, in-process and in memory.
 * :class:`HttpFileServer` — an aiohttp file server whose answers can be made to fail on purpose
   (:class:`Fault`: a status, corrupted bytes, a stall), so error paths are driven by real HTTP.
+  :class:`CrawlingHttpServer` sends its bodies slowly, to stop a download midway.
 * :class:`RangeDropper` — a raw forwarder in front of any of them that drops the Range header: a store (or
   a proxy) that ignores Range, with the real store's answers otherwise.
 * :class:`SlowS3Lister` — an aiohttp server answering S3 ListObjectsV2 slowly (each page late, continuation
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.support.models import write_model
 from tests.support.ports import free_port, wait_port
 from tests.support.sockets import accept_each
 
@@ -611,6 +613,38 @@ class HttpFileServer:
         for start in range(0, len(data), 1 << 20):
             await response.write(view[start : start + (1 << 20)])
         await response.write_eof()
+
+
+@dataclass
+class CrawlingHttpServer(HttpFileServer):
+    """The test HTTP file server, sending each body at ``bytes_per_s`` (0: at full speed), counting what it sent."""
+
+    bytes_per_s: int = 1 << 20  # per response
+    sent: int = 0
+
+    async def _send_body(self, response: Any, data: bytes, fault: Fault | None) -> None:  # type: ignore[override]
+        if not self.bytes_per_s or fault is not None:
+            await HttpFileServer._send_body(response, data, fault)
+            return
+        step = max(1, self.bytes_per_s // 20)
+        for start in range(0, len(data), step):
+            await response.write(data[start : start + step])
+            self.sent += len(data[start : start + step])
+            await asyncio.sleep(0.05)
+        await response.write_eof()
+
+
+WEIGHTS_BYTES = 24 << 20  # random, so neither archive compresses it: ranged parts for the zip, 24 s of tar
+
+
+def big_model(folder: Path, packing: str) -> Path:
+    """A model of 24 MiB as one archive: a ``zip`` lands whole (ranged parts from the download threads,
+    hashed as they land), then unpacks; a ``tar`` is unpacked as it arrives."""
+    model = write_model(folder / "identity")
+    (model / "1" / "weights.bin").write_bytes(os.urandom(WEIGHTS_BYTES))
+    if packing == "zip":
+        return make_zip(model, folder / "identity.zip", arcname="identity")
+    return make_tar(model, folder / "identity.tar", compression="", arcname="identity")
 
 
 def _byte_range(header: str, size: int) -> tuple[int, int] | None:

@@ -22,7 +22,7 @@ What a command exits with (:attr:`UnloadResult.exit_code`): 0 when the model is 
 pod; 14 when, without a pod identity or force, pods hold fresh leases on it; 13 when Triton kept it LOADING past
 the deadline, or still served it past the deadline after its folder was removed; 16 when Triton did not answer
 — when the folder is left, for gc, this pod's lease is already dropped.
-:attr:`UnloadResult.reason` says which, in one line (the proxy's termination message).
+:attr:`UnloadResult.reason` says which, in one line: the termination message of the command (:func:`ended`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from tritonshare.common.errors import ExitCode, TritonUnavailable
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import DEFAULT_TTL_S, Holder, LeaseStore, Release, judging_ttl
 from tritonshare.common.repository import discard, move_out, wait_until
+from tritonshare.common.termination import write_termination_message
 from tritonshare.common.triton import TritonClient
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,17 @@ class UnloadResult:
         if self.refused:
             return ExitCode.INSTALL_CONFLICT
         return ExitCode.OK if self.done else ExitCode.READINESS_TIMEOUT
+
+
+def ended(result: UnloadResult, termination_log: Path | None) -> int:
+    """The exit code of a command that ends with ``result`` (``tritonshare unload``, the proxy): when not 0,
+    the reason is logged and written as the termination message, so the pod status shows it, as a failed
+    load's is."""
+    code = result.exit_code
+    if code != ExitCode.OK:
+        logger.error("exiting with %d: %s", code, result.reason)
+        write_termination_message(result.reason, termination_log)
+    return int(code)
 
 
 def unload_model(settings: UnloadSettings, *, client: TritonClient | None = None) -> UnloadResult:

@@ -16,7 +16,8 @@
   listing and transfer together by ``download_timeout_s`` (:mod:`tritonshare.loader.listing`: the transfer gets
   what the listing left, ``listing_s``). On any failure the other transfers are cancelled — a stream source's
   requests aborted, so a worker waiting on a store that trickles bytes wakes too — and their threads joined
-  before the error is raised, so nothing writes into the folder afterwards.
+  before the error is raised, so nothing writes into the folder afterwards. A load stopped from another
+  thread (:mod:`tritonshare.loader.stop`) cancels the transfer the same way, at once.
 * Verified: each object's size and, where the store states one, its cheapest checksum
   (:mod:`tritonshare.loader.checksum`).
 * Progress (bytes, MiB/s) is logged every ``progress_interval_s``.
@@ -50,6 +51,7 @@ from tritonshare.loader.checksum import Hasher, cheapest, check, check_size, has
 from tritonshare.loader.parts import Split, hashing_slots, reserve
 from tritonshare.loader.sources.base import Progress, RemoteObject, Source
 from tritonshare.loader.sources.stream import CHUNK_BYTES, Body, Part, StreamSource, write_all
+from tritonshare.loader.stop import Stop
 
 if TYPE_CHECKING:
     from tritonshare.loader.settings import LoaderSettings
@@ -145,15 +147,17 @@ def download_all(
     clock: Clock = time.monotonic,
     sleep: Sleep | None = None,
     rand: Random = random.random,
+    stop: Stop | None = None,
 ) -> DownloadStats:
     """Download ``objects`` into ``dest_dir`` (an existing, empty folder) at their ``relpath``.
 
     ``sleep`` waits between retries; by default the wait ends early when the download is cancelled.
     Raises UnsafeArchive for a relpath escaping ``dest_dir``, TransientSourceError after retries or the
-    deadline, InsufficientSpace when the disk fills, and whatever permanent SourceError the source raises.
+    deadline, InsufficientSpace when the disk fills, and whatever permanent SourceError the source raises;
+    Stopped once ``stop`` is asked, its workers cancelled and joined.
     """
     plan = _plan(objects, dest_dir)
-    return _Transfer(source, options, clock, sleep, rand).run(plan)
+    return _Transfer(source, options, clock, sleep, rand, stop or Stop()).run(plan)
 
 
 def target_path(dest_dir: Path, relpath: str) -> Path:
@@ -197,9 +201,10 @@ class _Transfer:
     """One call of :func:`download_all`: shared counters, the cancel flag, the worker pool."""
 
     def __init__(
-        self, source: Source, options: DownloadOptions, clock: Clock, sleep: Sleep | None, rand: Random
+        self, source: Source, options: DownloadOptions, clock: Clock, sleep: Sleep | None, rand: Random, stop: Stop
     ) -> None:
         self.source = source
+        self.stop = stop
         # checked once: isinstance against a runtime-checkable protocol costs ~40 µs, per object it added up
         self.stream: StreamSource | None = source if isinstance(source, StreamSource) else None
         self.options = options
@@ -224,11 +229,12 @@ class _Transfer:
         pool: ThreadPoolExecutor | None = None
         finished = False
         try:
-            tasks = [task for obj, target in plan for task in self._tasks(obj, target)]
-            workers = max(1, min(self.options.concurrency, len(tasks)))
-            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tritonshare-download")
-            futures = [pool.submit(task) for task in tasks]
-            self._wait(futures, len(plan))
+            with self.stop.aborting(self._cancel):
+                tasks = [task for obj, target in plan for task in self._tasks(obj, target)]
+                workers = max(1, min(self.options.concurrency, len(tasks)))
+                pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tritonshare-download")
+                futures = [pool.submit(task) for task in tasks]
+                self._wait(futures, len(plan))
             finished = True
         finally:
             self.cancelled.set()  # a no-op after success; after a failure it stops the other workers
@@ -252,6 +258,13 @@ class _Transfer:
         )
         return stats
 
+    def _cancel(self) -> None:
+        """A stop asked from another thread: every worker ends now, as after a failure (:meth:`run`)."""
+        self.cancelled.set()
+        self._abort_reads()
+        if self.stream is not None:
+            self.stream.abort()
+
     def _abort_reads(self) -> None:
         with self.lock:
             reading = list(self.reading)
@@ -262,6 +275,7 @@ class _Transfer:
         pending = set(futures)
         last_log = self.clock()
         while pending:
+            self.stop.check("downloading")
             remaining = self.deadline - self.clock()
             if remaining <= 0:
                 raise self._deadline_error()
@@ -272,6 +286,7 @@ class _Transfer:
             if self.clock() - last_log >= self.options.progress_interval_s:
                 last_log = self.clock()
                 self._log_progress(count)
+        self.stop.check("downloading")  # the workers may all have ended cancelled
 
     def _log_progress(self, count: int) -> None:
         elapsed = max(self.clock() - self.started, 1e-9)

@@ -144,16 +144,29 @@ def _state(seen: Look) -> str:
 
 
 def wait_polled(
-    client: TritonClient, name: str, *, timeout_s: float, interval_s: float = POLL_INTERVAL_S, reused: bool = False
+    client: TritonClient,
+    name: str,
+    *,
+    timeout_s: float,
+    interval_s: float = POLL_INTERVAL_S,
+    reused: bool = False,
+    sleep: Sleep = time.sleep,
 ) -> None:
-    PollWaiter(client, name, timeout_s, interval_s, reused=reused).wait()
+    PollWaiter(client, name, timeout_s, interval_s, reused=reused, sleep=sleep).wait()
 
 
 def load_explicitly(
-    client: TritonClient, name: str, *, timeout_s: float, interval_s: float = POLL_INTERVAL_S, reused: bool = False
+    client: TritonClient,
+    name: str,
+    *,
+    timeout_s: float,
+    interval_s: float = POLL_INTERVAL_S,
+    reused: bool = False,
+    sleep: Sleep = time.sleep,
 ) -> None:
     """Ask Triton to load NAME and report its answer; the call lasts as long as the load, so there is
-    nothing to poll (``interval_s`` is unused), and the messages read the same for a reused install."""
+    nothing to poll (``interval_s`` and ``sleep`` are unused), and the messages read the same for a reused
+    install."""
     loader = TritonClient(client.url, timeout_s=max(timeout_s, 0.1))
     try:
         reply = loader.load(name)
@@ -205,12 +218,16 @@ def _serves(client: TritonClient, name: str) -> bool:
         return False  # a Triton that comes back loads what the repository holds, not what it served
 
 
-def nothing_to_wait_for(client: TritonClient, name: str, folder: Path, *, timeout_s: float) -> None:
+def nothing_to_wait_for(
+    client: TritonClient, name: str, folder: Path, *, timeout_s: float, sleep: Sleep = time.sleep
+) -> None:
     """Before publishing in explicit mode: the load call after it loads the new folder, whatever was served."""
 
 
 class BeforePublish(Protocol):
-    def __call__(self, client: TritonClient, name: str, folder: Path, *, timeout_s: float) -> None: ...
+    def __call__(
+        self, client: TritonClient, name: str, folder: Path, *, timeout_s: float, sleep: Sleep = ...
+    ) -> None: ...
 
 
 # --mode → what must hold before a folder is published as NAME
@@ -219,7 +236,14 @@ BEFORE_PUBLISH: dict[str, BeforePublish] = {"poll": wait_unserved, "explicit": n
 
 class Readiness(Protocol):
     def __call__(
-        self, client: TritonClient, name: str, *, timeout_s: float, interval_s: float = ..., reused: bool = ...
+        self,
+        client: TritonClient,
+        name: str,
+        *,
+        timeout_s: float,
+        interval_s: float = ...,
+        reused: bool = ...,
+        sleep: Sleep = ...,
     ) -> None: ...
 
 

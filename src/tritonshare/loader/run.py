@@ -18,6 +18,9 @@ Phases, each logged with its duration::
     publish   record + one rename into repository/NAME
     load      Triton reports it ready (poll) or loaded it (explicit)
 
+A load run in a thread (the proxy's reinstall) is stopped with a :class:`~tritonshare.loader.stop.Stop`
+as SIGTERM stops ``tritonshare load``, and cleans up the same way; it publishes nothing once the stop is asked.
+
 On any failure nothing new stays in staging: the staging folder is discarded, and a published folder Triton
 could not load is taken back out (rename out, then delete) — only one this loader published (never one it
 reused), only while no other pod's lease on NAME is fresh, and never while Triton is LOADING it or does not
@@ -67,6 +70,8 @@ from tritonshare.loader.model import prepare
 from tritonshare.loader.readiness import BEFORE_PUBLISH, MODES, wait_live
 from tritonshare.loader.settings import LoaderSettings
 from tritonshare.loader.sources.base import RemoteObject, Source, display_uri, query_identity
+from tritonshare.loader.sources.stream import StreamSource
+from tritonshare.loader.stop import Stop
 
 logger = logging.getLogger(__name__)
 
@@ -97,14 +102,17 @@ _DOING = {
 
 class Timings:
     """Durations of the phases of one load, logged as each ends and together at the end. A phase may carry a
-    note on how it ran; its name stays one word, which log readers match (``phase (\\w+) took``)."""
+    note on how it ran; its name stays one word, which log readers match (``phase (\\w+) took``). A phase
+    does not begin once ``stop`` is asked."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop: Stop | None = None) -> None:
         self.seconds: dict[str, float] = {}
         self.notes: dict[str, str] = {}
+        self.stop = stop or Stop()
 
     @contextmanager
     def phase(self, name: str, note: str = "") -> Iterator[None]:
+        self.stop.check(_DOING.get(name, name))
         started = time.monotonic()
         if note:
             self.notes[name] = f" ({note})"
@@ -125,13 +133,15 @@ def run(
     disk_free: DiskFree = disk_free,
     open_source: SourceOpener = sources.open_source,
     client: TritonClient | None = None,
+    stop: Stop | None = None,
 ) -> int:
-    """Load ``settings.source`` as ``settings.name``; returns ExitCode.OK or raises from the error tree."""
+    """Load ``settings.source`` as ``settings.name``; returns ExitCode.OK or raises from the error tree, or
+    Stopped once ``stop`` is asked (from another thread), having cleaned up as after SIGTERM."""
     settings.layout.check()
     client = client or TritonClient(settings.triton_url)
-    timings = Timings()
+    timings = Timings(stop)
     with timings.phase("triton"):
-        wait_live(client, timeout_s=settings.timeout_s, interval_s=settings.poll_interval_s)
+        wait_live(client, timeout_s=settings.timeout_s, interval_s=settings.poll_interval_s, sleep=timings.stop.sleep)
     with holding_lease(settings) as held:
         installed = _fetch_and_install(settings, client, timings, disk_free, open_source)
         held.published = not installed.reused
@@ -175,12 +185,11 @@ def holding_lease(settings: LoaderSettings) -> Iterator[Held]:
 def _fetch_and_install(
     settings: LoaderSettings, client: TritonClient, timings: Timings, free: DiskFree, open_source: SourceOpener
 ) -> Installed:
-    source = open_source(settings.source)
-    try:
+    with _opened(open_source, settings.source, timings.stop) as source:
         options = DownloadOptions.from_settings(settings)
         with timings.phase("list"):
             started = time.monotonic()
-            objects = list_objects(source, options)
+            objects = list_objects(source, options, sleep=timings.stop.sleep)
             options = dataclasses.replace(options, listing_s=time.monotonic() - started)  # the transfer has the rest
         digest = listing_digest(objects, query_identity(settings.source))
         record = InstallRecord(name=settings.name, source=display_uri(settings.source), digest=digest)
@@ -198,8 +207,21 @@ def _fetch_and_install(
         with timings.phase("space"):
             check_space(settings.layout.staging, listed_bytes(objects), free, record.source)
         return _stage(settings, client, source, objects, record, options, timings, free)
+
+
+@contextmanager
+def _opened(open_source: SourceOpener, uri: str, stop: Stop) -> Iterator[Source]:
+    """The source, closed afterwards; its requests in progress end when the load is stopped."""
+    source = open_source(uri)
+    try:
+        with stop.aborting(source.abort if isinstance(source, StreamSource) else _nothing):
+            yield source
     finally:
         source.close()
+
+
+def _nothing() -> None:
+    """The abort of a source that has none: its reads are short (a local file); the download checks the stop."""
 
 
 def _existing_or_free(settings: LoaderSettings, client: TritonClient, record: InstallRecord) -> InstallRecord | None:
@@ -234,8 +256,10 @@ def _stage(
         _check_gpu_memory(settings, record.source, timings)  # again, the last look before publishing
         with timings.phase("publish"):
             before = BEFORE_PUBLISH[settings.mode]
-            before(client, settings.name, settings.layout.model_dir(settings.name), timeout_s=settings.timeout_s)
-            return install(settings.layout, root, record)
+            folder = settings.layout.model_dir(settings.name)
+            before(client, settings.name, folder, timeout_s=settings.timeout_s, sleep=timings.stop.sleep)
+            with timings.stop.publishing():  # a stop asked from now on waits for the rename
+                return install(settings.layout, root, record)
     finally:
         discard(workspace)
 
@@ -265,7 +289,9 @@ def _fetch(job: _Fetch) -> Path:
     unpacked = job.workspace / "unpacked"
     make_folder(unpacked)
     with job.timings.phase("download", note=STREAMED):
-        fetch_and_unpack(*stream, unpacked, job.options, max_bytes=job.free(job.workspace))
+        fetch_and_unpack(
+            *stream, unpacked, job.options, max_bytes=job.free(job.workspace), sleep=job.timings.stop.sleep
+        )
     return unpacked
 
 
@@ -273,7 +299,7 @@ def _download(job: _Fetch) -> Path:
     files = job.workspace / "download"
     make_folder(files)
     with job.timings.phase("download"):
-        download_all(job.source, job.objects, files, job.options)
+        download_all(job.source, job.objects, files, job.options, stop=job.timings.stop)
     return files
 
 
@@ -331,6 +357,7 @@ def _await_ready(settings: LoaderSettings, client: TritonClient, installed: Inst
                 timeout_s=settings.timeout_s,
                 interval_s=settings.poll_interval_s,
                 reused=installed.reused,
+                sleep=timings.stop.sleep,
             )
     except (TritonLoadFailed, ReadinessTimeout) as exc:
         # A failed model is loaded again at Triton's next poll: wait that load out. Past the deadline: one look.

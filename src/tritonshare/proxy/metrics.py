@@ -198,7 +198,7 @@ class ProxyMetrics(Collector):
         yield inflight
         connections = GaugeMetricFamily(
             "tritonshare_proxy_client_connections",
-            "Client connections open (the cap is --max-connections per protocol).",
+            "Client connections open (the cap is --max-connections per protocol; the metrics port has its own).",
             labels=["model", "protocol"],
         )
         for protocol, count in list(self._connections.items()):

@@ -8,8 +8,12 @@ readiness, not ready while draining; Triton's liveness; both from the answers th
 :mod:`tritonshare.proxy.readiness`). The manifests point the readinessProbe here: the REST port holds at most
 ``--max-connections`` client connections, and anyone who can reach it could fill them with silent connections,
 making the kubelet's probe one more connection turned away (503) and the pod leave its Service. This port
-serves no tenant and has no such cap; each connection gets one answer and is closed, and one that has not sent
-its request head within :data:`HEAD_TIMEOUT_S` is closed without one.
+serves no tenant and is not held by them: each connection gets one answer and is closed, and one that has not
+sent its request head within :data:`HEAD_TIMEOUT_S` is closed without one. It holds at most
+:data:`MAX_CONNECTIONS` at once, a cap of its own: a flood of silent connections then costs that many file
+descriptors for at most ``HEAD_TIMEOUT_S`` each, not the process's whole open-files limit (past which every
+port's accepts fail); one more is closed at accept, counted as a refusal (``protocol="metrics"``), and the
+first of each such episode logged.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from tritonshare.proxy.triton_metrics import TritonModelMetrics
 logger = logging.getLogger(__name__)
 
 HEAD_TIMEOUT_S = 10.0  # a connection's request head must be in within this
+# Connections held at once: a scraper and the kubelet's probes use a few, each for milliseconds.
+MAX_CONNECTIONS = 64
 _CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _MAX_HEAD = 16 * 1024
 _PROBES = {b"/v2/health/ready": Verdict.READY, b"/v2/health/live": Verdict.LIVE}
@@ -42,6 +48,9 @@ class MetricsServer:
         self._host = host
         self._port = port
         self._server: asyncio.Server | None = None
+        self._open = 0  # connections held now
+        self._full = False  # a connection was closed at accept since the port last had room: logged once
+        self._metrics.count_connections("metrics", lambda: self._open)
 
     @property
     def port(self) -> int:
@@ -62,6 +71,11 @@ class MetricsServer:
             self._server.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._open >= MAX_CONNECTIONS:
+            self._turn_away(writer)
+            return
+        self._open += 1
+        self._full = False
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
             writer.write(await self._answer(head[:_MAX_HEAD]))
@@ -69,7 +83,22 @@ class MetricsServer:
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
             pass
         finally:
+            self._open -= 1
             writer.close()
+
+    def _turn_away(self, writer: asyncio.StreamWriter) -> None:
+        """Past :data:`MAX_CONNECTIONS`: closed at once, its descriptor freed (no answer: it may not have asked)."""
+        writer.transport.abort()
+        self._metrics.refused("metrics", "connection", "too_many_connections")
+        if not self._full:
+            self._full = True
+            logger.warning(
+                "the metrics port %d holds %d connections, its cap: more are closed at once, the kubelet's probes "
+                "too, until some end (each is closed %.0f s after it opened without a request) — who floods it?",
+                self.port,
+                MAX_CONNECTIONS,
+                HEAD_TIMEOUT_S,
+            )
 
     async def _answer(self, head: bytes) -> bytes:
         method, _, rest = head.partition(b" ")

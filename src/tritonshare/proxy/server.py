@@ -2,7 +2,9 @@
 
 Shutdown, in order (the pod's terminationGracePeriodSeconds must exceed drain + unload):
 
-1. readiness turns false at once (``state.draining``): probes and ServerReady say "not ready";
+1. readiness turns false at once (``state.draining``): probes and ServerReady say "not ready"; what else the
+   pod runs in this process is told to stop (``on_drain``: the model's reinstall, :mod:`tritonshare.pod`),
+   and is waited for before the unload;
 2. listening sockets close, so new connections are refused; clients are told to go away (GOAWAY,
    ``Connection: close``);
 3. in-flight requests, streams included, and requests waiting for an admission slot get up to
@@ -28,8 +30,7 @@ from collections.abc import Callable
 from tritonshare.common.errors import ExitCode
 from tritonshare.common.lease import Heartbeat, LeaseStore
 from tritonshare.common.repository import read_record
-from tritonshare.common.termination import write_termination_message
-from tritonshare.common.unload import UnloadSettings, unload_model
+from tritonshare.common.unload import UnloadSettings, ended, unload_model
 from tritonshare.proxy.grpc import GrpcFrontend
 from tritonshare.proxy.metrics_server import MetricsServer
 from tritonshare.proxy.rest import RestFrontend
@@ -43,14 +44,15 @@ logger = logging.getLogger(__name__)
 SPARE_FILES = 64  # listening sockets, the metrics server, Triton's metrics and readiness, files read
 
 
-def run(settings: ProxySettings) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit code."""
+def run(settings: ProxySettings, *, on_drain: Callable[[], None] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code. ``on_drain`` is called, in a worker thread, when
+    the drain begins, and the unload waits for it to return."""
     raise_open_files_limit(settings.max_connections)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; plain asyncio still works
-        return asyncio.run(serve(settings))
-    return uvloop.run(serve(settings))
+        return asyncio.run(serve(settings, on_drain=on_drain))
+    return uvloop.run(serve(settings, on_drain=on_drain))
 
 
 def raise_open_files_limit(max_connections: int) -> None:
@@ -80,6 +82,7 @@ async def serve(
     *,
     stop: asyncio.Event | None = None,
     on_started: Callable[[ProxyState, list[Frontend]], None] | None = None,
+    on_drain: Callable[[], None] | None = None,
 ) -> int:
     state = ProxyState(settings)  # reads the token and TLS files: a bad one stops here, before the lease
     heartbeat = _hold_lease(settings)
@@ -105,7 +108,10 @@ async def serve(
     if on_started is not None:
         on_started(state, frontends)
     await stop.wait()
+    stopping = asyncio.ensure_future(asyncio.to_thread(on_drain)) if on_drain is not None else None
     await _drain(state, frontends)
+    if stopping is not None:
+        await stopping  # before the unload: nothing is published behind it
     metrics.close()
     if heartbeat is not None:
         heartbeat.stop()
@@ -202,7 +208,4 @@ def _unload(settings: ProxySettings) -> int:
         result.unloaded,
         result.kept,
     )
-    if result.exit_code != ExitCode.OK:
-        logger.error("exiting with %d: %s", result.exit_code, result.reason)
-        write_termination_message(result.reason, settings.termination_log)
-    return int(result.exit_code)
+    return ended(result, settings.termination_log)
