@@ -11,9 +11,11 @@ making the kubelet's probe one more connection turned away (503) and the pod lea
 serves no tenant and is not held by them: each connection gets one answer and is closed, and one that has not
 sent its request head within :data:`HEAD_TIMEOUT_S` is closed without one. It holds at most
 :data:`MAX_CONNECTIONS` at once, a cap of its own: a flood of silent connections then costs that many file
-descriptors for at most ``HEAD_TIMEOUT_S`` each, not the process's whole open-files limit (past which every
-port's accepts fail); one more is closed at accept, counted as a refusal (``protocol="metrics"``), and the
-first of each such episode logged.
+descriptors, not the process's whole open-files limit (past which every port's accepts fail). A connection
+past the cap makes room by closing the oldest one that has not sent its request head — a flood's, since the
+kubelet and a scraper send theirs at once — so a probe is answered in the middle of a flood rather than
+turned away with it (a cap that closed the newcomer would let 64 silent connections make the pod unready).
+Each connection closed so is counted as a refusal (``protocol="metrics"``), the first of each episode logged.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ class MetricsServer:
         self._host = host
         self._port = port
         self._server: asyncio.Server | None = None
-        self._open = 0  # connections held now
-        self._full = False  # a connection was closed at accept since the port last had room: logged once
-        self._metrics.count_connections("metrics", lambda: self._open)
+        # open connections, oldest first: whether each has sent its request head
+        self._connections: dict[asyncio.StreamWriter, bool] = {}
+        self._full = False  # a connection was closed to make room since the port last had some: logged once
+        self._metrics.count_connections("metrics", lambda: len(self._connections))
 
     @property
     def port(self) -> int:
@@ -71,34 +74,40 @@ class MetricsServer:
             self._server.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._open >= MAX_CONNECTIONS:
-            self._turn_away(writer)
+        if len(self._connections) < MAX_CONNECTIONS:
+            self._full = False
+        elif self._make_room(writer) is writer:
             return
-        self._open += 1
-        self._full = False
+        self._connections[writer] = False
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+            if writer in self._connections:
+                self._connections[writer] = True
             writer.write(await self._answer(head[:_MAX_HEAD]))
             await writer.drain()
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
             pass
         finally:
-            self._open -= 1
+            self._connections.pop(writer, None)
             writer.close()
 
-    def _turn_away(self, writer: asyncio.StreamWriter) -> None:
-        """Past :data:`MAX_CONNECTIONS`: closed at once, its descriptor freed (no answer: it may not have asked)."""
-        writer.transport.abort()
+    def _make_room(self, newcomer: asyncio.StreamWriter) -> asyncio.StreamWriter:
+        """Past :data:`MAX_CONNECTIONS`: close the oldest connection still silent (its descriptor freed at
+        once), or the newcomer when every one held is being answered; returns the one closed."""
+        silent = next((w for w, asked in self._connections.items() if not asked), None)
+        closed = silent or newcomer
+        self._connections.pop(closed, None)
+        closed.transport.abort()
         self._metrics.refused("metrics", "connection", "too_many_connections")
         if not self._full:
             self._full = True
             logger.warning(
-                "the metrics port %d holds %d connections, its cap: more are closed at once, the kubelet's probes "
-                "too, until some end (each is closed %.0f s after it opened without a request) — who floods it?",
+                "the metrics port %d holds %d connections, its cap: each new one closes the oldest that has not "
+                "asked anything yet — who floods it?",
                 self.port,
                 MAX_CONNECTIONS,
-                HEAD_TIMEOUT_S,
             )
+        return closed
 
     async def _answer(self, head: bytes) -> bytes:
         method, _, rest = head.partition(b" ")
