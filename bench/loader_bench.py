@@ -74,7 +74,8 @@ CURL_TAR = 'set -o pipefail; curl -sSf "$0" | tar xz -C "$1"'
 TRITONSHARE = """
 import shutil, sys
 from pathlib import Path
-from tritonshare.loader.download import DownloadOptions, download_all
+from tritonshare.loader.download_options import DownloadOptions
+from tritonshare.loader.download import download_all
 from tritonshare.loader.listing import list_objects
 from tritonshare.loader.sources import open_source
 

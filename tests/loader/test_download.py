@@ -26,7 +26,8 @@ from tritonshare.common.errors import (
     UnsafeArchive,
 )
 from tritonshare.loader.checksum import cheapest, file_digest, hasher_for
-from tritonshare.loader.download import DownloadOptions, download_all, listed_bytes
+from tritonshare.loader.download import download_all, listed_bytes
+from tritonshare.loader.download_options import DownloadOptions
 from tritonshare.loader.listing import list_objects
 from tritonshare.loader.settings import LoaderSettings
 from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject

@@ -12,7 +12,8 @@ import pytest
 
 from tests.support.storage import GcsEmulator, MotoS3
 from tritonshare.common.errors import ExitCode, SourceNotFound, TransientSourceError
-from tritonshare.loader.download import DownloadOptions, download_all
+from tritonshare.loader.download import download_all
+from tritonshare.loader.download_options import DownloadOptions
 from tritonshare.loader.listing import list_objects
 from tritonshare.loader.parts import reserve
 from tritonshare.loader.sources import open_source

@@ -15,7 +15,8 @@ import pytest
 from tests.support.storage import Fault, GcsEmulator, HttpFileServer, RangeDropper, tree_bytes
 from tritonshare.common.errors import SourceAccessDenied, SourceNotFound, TransientSourceError
 from tritonshare.loader.checksum import file_digest
-from tritonshare.loader.download import DownloadOptions, download_all
+from tritonshare.loader.download import download_all
+from tritonshare.loader.download_options import DownloadOptions
 from tritonshare.loader.listing import list_objects
 from tritonshare.loader.sources import open_source
 from tritonshare.loader.sources.base import RemoteObject

@@ -29,7 +29,8 @@ from tritonshare.common.errors import (
     TransientSourceError,
     UsageError,
 )
-from tritonshare.loader.download import DownloadOptions, download_all
+from tritonshare.loader.download import download_all
+from tritonshare.loader.download_options import DownloadOptions
 from tritonshare.loader.listing import list_objects
 from tritonshare.loader.sources.base import RemoteObject
 from tritonshare.loader.sources.http import HttpSource, checksum_from

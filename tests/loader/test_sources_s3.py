@@ -31,7 +31,8 @@ from tritonshare.common.errors import (
     TransientSourceError,
     UsageError,
 )
-from tritonshare.loader.download import DownloadOptions, download_all
+from tritonshare.loader.download import download_all
+from tritonshare.loader.download_options import DownloadOptions
 from tritonshare.loader.listing import list_objects
 from tritonshare.loader.sources import open_source
 from tritonshare.loader.sources.base import Checksum, RemoteObject
@@ -511,7 +512,8 @@ def test_a_bucket_in_another_region_is_followed_once(regional_store: type[Region
 CHILD = """
 import sys
 from pathlib import Path
-from tritonshare.loader.download import DownloadOptions, download_all
+from tritonshare.loader.download_options import DownloadOptions
+from tritonshare.loader.download import download_all
 from tritonshare.loader.listing import list_objects
 from tritonshare.loader.sources import open_source
 

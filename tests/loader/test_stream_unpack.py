@@ -18,7 +18,7 @@ import pytest
 from tests.loader.test_sources_transport import BODY, RawServer
 from tests.support.storage import Fault, HttpFileServer, MotoS3, make_tar, make_zip, tree_bytes
 from tritonshare.common.errors import InsufficientSpace, TransientSourceError, UnsafeArchive
-from tritonshare.loader.download import DownloadOptions
+from tritonshare.loader.download_options import DownloadOptions
 from tritonshare.loader.sources.base import RemoteObject
 from tritonshare.loader.sources.http import HttpSource
 from tritonshare.loader.sources.local import LocalSource

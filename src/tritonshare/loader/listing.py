@@ -6,7 +6,7 @@ slowly, but just in time, never trips — nor does a listing with endless contin
 requests are aborted (:meth:`~tritonshare.loader.sources.stream.StreamSource.abort`, which ends a read or a wait
 for headers in progress and fails every later request) and the listing fails as transient (exit 11), naming
 the phase and the source. What the listing took is then no longer the transfer's: the transfer gets the rest
-(:attr:`~tritonshare.loader.download.DownloadOptions.listing_s`). A source that cannot be aborted (a local
+(:attr:`~tritonshare.loader.download_options.DownloadOptions.listing_s`). A source that cannot be aborted (a local
 folder, read from the node's own disk) is checked once its listing returns.
 """
 
@@ -17,7 +17,7 @@ import threading
 import time
 
 from tritonshare.common.errors import TransientSourceError, TritonshareError
-from tritonshare.loader.download import Clock, DownloadOptions, Random, Sleep, with_retries
+from tritonshare.loader.download_options import Clock, DownloadOptions, Random, Sleep, with_retries
 from tritonshare.loader.sources.base import RemoteObject, Source
 from tritonshare.loader.sources.stream import StreamSource
 

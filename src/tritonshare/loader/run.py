@@ -54,7 +54,8 @@ from tritonshare.common.lease import Heartbeat, LeaseStore
 from tritonshare.common.repository import InstallRecord, discard, make_folder, new_staging_dir
 from tritonshare.common.triton import TritonClient
 from tritonshare.loader import sources
-from tritonshare.loader.download import MIB, DownloadOptions, download_all, listed_bytes
+from tritonshare.loader.download import download_all, listed_bytes
+from tritonshare.loader.download_options import MIB, DownloadOptions
 from tritonshare.loader.install import (
     Installed,
     Withdrawal,

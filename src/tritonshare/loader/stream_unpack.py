@@ -39,7 +39,7 @@ from tritonshare.common.errors import (
 )
 from tritonshare.loader.archive import ARCHIVES, HEAD_BYTES, Budget, from_source, unpack_tar
 from tritonshare.loader.checksum import Hasher, cheapest, check, check_size, hasher_for
-from tritonshare.loader.download import MIB, Clock, DownloadOptions, DownloadStats, Random, Sleep, with_retries
+from tritonshare.loader.download_options import MIB, Clock, DownloadOptions, DownloadStats, Random, Sleep, with_retries
 from tritonshare.loader.sources.base import RemoteObject, Source
 from tritonshare.loader.sources.stream import CHUNK_BYTES, Body, StreamSource
 
