@@ -25,6 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import target  # noqa: E402  (which tritonshare to measure: .venv-opt, as the image's interpreter, else .venv)
+
 ROOT = Path(__file__).resolve().parent.parent
 YARD = Path(os.environ.get("TRITONSHARE_YARDSTICK", ROOT.parent / "shared" / "bench"))
 STREAMING = "proxy_request_buffering off; proxy_buffering off;"
@@ -134,7 +137,7 @@ def main() -> int:
             targets[name] = port
         ph = free_port()
         proxy = subprocess.Popen(
-            [str(ROOT / ".venv" / "bin" / "tritonshare"), "--log-level", "warning", "proxy", "--name", "identity",
+            [str(target.venv() / "bin" / "tritonshare"), "--log-level", "warning", "proxy", "--name", "identity",
              "--host", "127.0.0.1", "--triton-url", f"http://127.0.0.1:{th}", "--triton-grpc", f"127.0.0.1:{tg}",
              "--http-port", str(ph), "--grpc-port", str(free_port()), "--metrics-port", "0", "--no-unload",
              "--repository", str(run / "models"), "--staging", str(run / "staging")],

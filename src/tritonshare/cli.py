@@ -21,6 +21,7 @@ from tritonshare.common.command import (
     Group,
     leases_option,
     log_options,
+    operator_termination_log_option,
     option,
     repository_option,
     run_command,
@@ -231,7 +232,7 @@ def loader_settings(params: dict[str, Any]) -> LoaderSettings:
     default=False,
     help="Without --pod-uid: remove NAME even while pods hold fresh leases on it (they lose their model).",
 )
-@termination_log_option
+@operator_termination_log_option
 def unload(
     name: str,
     repository: Path,
@@ -244,7 +245,7 @@ def unload(
     pod_namespace: str,
     timeout_s: float,
     force: bool,
-    termination_log: Path,
+    termination_log: Path | None,
 ) -> None:
     """Drop this pod's lease on NAME and, unless another pod still uses it, remove NAME from the repository
     (rename out, then delete) and wait until Triton unloads it. Without --pod-uid (an operator), NAME is
@@ -255,6 +256,7 @@ def unload(
     up and loading it): the folder stays for `tritonshare gc`. In the 13 and 16 cases this pod's lease is
     dropped. On any exit but 0, the reason goes to --termination-log.
     """
+    from tritonshare.common.termination import container_default
     from tritonshare.common.unload import UnloadSettings, ended, unload_model
 
     settings = UnloadSettings(
@@ -267,6 +269,7 @@ def unload(
         force=force,
     )
 
+    termination_log = termination_log or container_default()
     run_command(lambda: ended(unload_model(settings), termination_log), termination_log=termination_log)
 
 

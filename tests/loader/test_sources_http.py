@@ -348,6 +348,27 @@ def _changed_after_listing(server: Nginx, tmp_path: Path, size: int) -> None:
     source.close()
 
 
+def test_a_whole_file_changed_to_the_same_size_after_listing_is_refused(tmp_path: Path) -> None:
+    # a file fetched whole (small, or a server found to ignore Range) was checked for its size only: a new
+    # version of the same size, with no digest stated, landed as if it were the one listed
+    (tmp_path / "www").mkdir()
+    server = Nginx(tmp_path / "www").start()
+    try:
+        path = server.root / "model.bin"
+        path.write_bytes(os.urandom(100_000))
+        os.utime(path, (1_700_000_000, 1_700_000_000))
+        source = opened(server.url("model.bin"))
+        listed = source.list()
+        path.write_bytes(os.urandom(100_000))  # the same size, another mtime: another ETag
+        options = DownloadOptions(retries=1, backoff_base_s=0.01, stall_timeout_s=5)
+        (tmp_path / "dest").mkdir()
+        with pytest.raises(TransientSourceError, match=r"the file changed since it was listed \("):
+            download_all(source, listed, tmp_path / "dest", options)
+        source.close()
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("stated", ["its digest", "another file's digest"])
 def test_a_big_file_from_a_server_that_ignores_range_comes_whole_verified_by_its_digest(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, stated: str

@@ -83,6 +83,15 @@ termination_log_option = option(
     default=DEFAULT_PATH,
     help="Where the one-line failure reason goes (Kubernetes terminationMessagePath).",
 )
+# For `unload`, which operators also run by hand in a running container: /dev/termination-log only as the
+# container's main process (termination.container_default).
+operator_termination_log_option = option(
+    "--termination-log",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where the one-line failure reason goes (Kubernetes terminationMessagePath); default "
+    "/dev/termination-log when run as the container's main process (PID 1), else none.",
+)
 
 
 def _triton_url(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
@@ -169,7 +178,7 @@ _ARGS = "tritonshare.args"  # the group's command line, in its context's meta, f
 def _usage_errors_reported(args: list[str]) -> Iterator[None]:
     try:
         yield
-    except click.exceptions.NoArgsIsHelpError:
+    except click.exceptions.NoArgsIsHelpError:  # click >= 8.2
         raise  # `tritonshare` alone: the help, not an error
     except click.UsageError as exc:
         if report_usage_error(exc, args, os.environ):

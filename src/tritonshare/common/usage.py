@@ -19,14 +19,14 @@ from pathlib import Path
 import click
 
 from tritonshare.common.logs import FORMATTERS, configure_logging
-from tritonshare.common.termination import DEFAULT_PATH, write_termination_message
+from tritonshare.common.termination import container_default, write_termination_message
 
 logger = logging.getLogger("tritonshare")
 
 PREFIX = "TRITONSHARE_"
-# Variables of that prefix that are not a command's options: the test suite's own (tests/support), set in
-# a developer's shell next to the commands it runs.
-NOT_OPTIONS = ("TRITONSHARE_TEST_",)
+# Variables of that prefix that are not a command's options: the test suite's own (tests/support) and the
+# benchmarks' (bench/), set in a developer's shell and inherited by the commands they start.
+NOT_OPTIONS = ("TRITONSHARE_TEST_", "TRITONSHARE_BENCH_", "TRITONSHARE_YARDSTICK")
 TERMINATION_LOG_VARIABLE = PREFIX + "TERMINATION_LOG"
 LOG_FORMAT_VARIABLE = PREFIX + "LOG_FORMAT"
 
@@ -86,12 +86,14 @@ def usage_message(exc: click.UsageError) -> str:
 
 def report_usage_error(exc: click.UsageError, args: Sequence[str], environ: Mapping[str, str]) -> bool:
     """Write a usage error to the termination log (``--termination-log`` on the command line, else
-    TRITONSHARE_TERMINATION_LOG, else the default, as for every other failure), and with ``--log-format json``
+    TRITONSHARE_TERMINATION_LOG, else /dev/termination-log when this is the container's main process: a bad
+    value in the pod's ConfigMap shows in its status, an operator's typo in ``kubectl exec`` does not), and with
+    ``--log-format json``
     (after the command or before it, or TRITONSHARE_LOG_FORMAT) log it. Returns whether it was logged; click
     prints it as plain text otherwise."""
     message = usage_message(exc)
     termination_log = given(args, "--termination-log") or environ.get(TERMINATION_LOG_VARIABLE)
-    write_termination_message(message, Path(termination_log) if termination_log else DEFAULT_PATH)
+    write_termination_message(message, Path(termination_log) if termination_log else container_default())
     formats = [given(args, "--log-format"), environ.get(LOG_FORMAT_VARIABLE)]
     if next((f for f in formats if f in FORMATTERS), "plain") != "json":
         return False

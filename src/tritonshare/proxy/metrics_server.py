@@ -84,7 +84,7 @@ class MetricsServer:
             if writer in self._connections:
                 self._connections[writer] = True
             writer.write(await self._answer(head[:_MAX_HEAD]))
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), HEAD_TIMEOUT_S)  # a client that never reads holds no slot
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, OSError):
             pass
         finally:

@@ -115,6 +115,12 @@ class HttpSource:
                 f"(HTTP {response.status}, {response.header('Content-Range') or 'no Content-Range'}): the file "
                 "changed since it was listed, or the server ignores Range"
             )
+        current = _version(response.headers)
+        if not part and obj.version and current and current != obj.version:  # a whole file: still the one listed?
+            response.close()
+            raise TransientSourceError(
+                f"{what}: the file changed since it was listed ({obj.version} then, {current} now) — retried"
+            )
         return ResponseBody(response, what, network_error)
 
     def ranged(self, obj: RemoteObject) -> bool:
