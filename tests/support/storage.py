@@ -245,8 +245,56 @@ class RangeDropper:
                 pass  # the client hung up (a response it does not read to its end)
 
 
+class _AiohttpInThread:
+    """An aiohttp server on its own event loop in a daemon thread, on ``self.port`` (a dataclass field of the
+    subclass, as are ``_loop``, ``_thread``, ``_runner``): what the storage servers written here share. A
+    subclass adds its routes; stopping cancels the handlers still running (a stalled or trickling answer)."""
+
+    port: int
+    _loop: asyncio.AbstractEventLoop | None
+    _thread: threading.Thread | None
+    _runner: Any
+    thread_name = "aiohttp-server"
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _routes(self, app: Any) -> None:
+        raise NotImplementedError
+
+    def _serve(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=self.thread_name, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+
+    def stop(self) -> None:
+        assert self._loop is not None and self._thread is not None
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    async def _start(self) -> None:
+        from aiohttp import web
+
+        app = web.Application()
+        self._routes(app)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def _shutdown(self) -> None:
+        await self._runner.cleanup()
+        running = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
+
 @dataclass
-class SlowS3Lister:
+class SlowS3Lister(_AiohttpInThread):
     """S3's ListObjectsV2 for any bucket and prefix, slowly: each page ``page_delay_s`` late, ``pages`` of them
     (None: a continuation token on every page, without end), each page listing one object ``<prefix>f<N>.bin`` of
     ``object_bytes``; with ``trickle`` a page's body comes 10 bytes every 0.3 s (~10 s a page). An object's GET
@@ -262,44 +310,19 @@ class SlowS3Lister:
     _thread: threading.Thread | None = None
     _runner: Any = None
 
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    thread_name = "slow-s3"
 
     def env(self) -> dict[str, str]:
         return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                 "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
 
     def start(self) -> SlowS3Lister:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="slow-s3", daemon=True)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        self._serve()
         return self
 
-    def stop(self) -> None:
-        assert self._loop is not None and self._thread is not None
-        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
-
-    async def _start(self) -> None:
-        from aiohttp import web
-
-        app = web.Application()
+    def _routes(self, app: Any) -> None:
         app.router.add_get("/{bucket}/", self._list)  # path-style: the bucket's URL, its key empty
         app.router.add_get("/{bucket}/{key:.+}", self._object)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    async def _shutdown(self) -> None:
-        await self._runner.cleanup()
-        slow = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        for task in slow:
-            task.cancel()
-        await asyncio.gather(*slow, return_exceptions=True)
 
     async def _list(self, request: Any) -> Any:
         from aiohttp import web
@@ -477,7 +500,7 @@ class Fault:
 
 
 @dataclass
-class HttpFileServer:
+class HttpFileServer(_AiohttpInThread):
     """Serves files under ``root`` (GET and HEAD) with Content-Length, ETag, Last-Modified and the
     checksum headers ``Content-MD5`` and ``Repr-Digest`` (RFC 9530, sha-256) of the true file."""
 
@@ -489,10 +512,6 @@ class HttpFileServer:
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
     _runner: Any = None
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def url(self, relpath: str) -> str:
         return f"{self.endpoint}/{relpath}"
@@ -514,36 +533,15 @@ class HttpFileServer:
     def env(self) -> dict[str, str]:
         return {}
 
+    thread_name = "http-file-server"
+
     def start(self) -> HttpFileServer:
         self.root.mkdir(parents=True, exist_ok=True)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="http-file-server", daemon=True)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        self._serve()
         return self
 
-    def stop(self) -> None:
-        assert self._loop is not None and self._thread is not None
-        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
-
-    async def _start(self) -> None:
-        from aiohttp import web
-
-        app = web.Application()
+    def _routes(self, app: Any) -> None:
         app.router.add_route("*", "/{path:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    async def _shutdown(self) -> None:
-        await self._runner.cleanup()
-        stalled = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-        for task in stalled:
-            task.cancel()
-        await asyncio.gather(*stalled, return_exceptions=True)
 
     def _fault_for(self, path: str) -> Fault | None:
         for prefix, fault in self.faults.items():
