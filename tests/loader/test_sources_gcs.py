@@ -34,10 +34,10 @@ def model_folder(root: Path, name: str = "model") -> Path:
     return folder
 
 
-def download(uri: str, dest: Path) -> None:
+def download(uri: str, dest: Path, options: DownloadOptions = FAST) -> None:
     source = open_source(uri)
     try:
-        download_all(source, list_objects(source, FAST), dest, FAST)
+        download_all(source, list_objects(source, options), dest, options)
     finally:
         source.close()
 
@@ -176,11 +176,7 @@ def test_a_big_object_comes_in_ranged_parts_and_is_verified_by_its_crc32c(
     uri = gcs_server.serve(folder)
     options = DownloadOptions(concurrency=4, retries=1, stall_timeout_s=5, part_bytes=300_000)  # 5 parts
     (tmp_path / "dest").mkdir()
-    source = open_source(uri)
-    try:
-        download_all(source, list_objects(source, options), tmp_path / "dest", options)
-    finally:
-        source.close()
+    download(uri, tmp_path / "dest", options)
     assert tree_bytes(tmp_path / "dest") == tree_bytes(folder)
 
 
@@ -191,12 +187,8 @@ def test_a_big_object_corrupted_in_the_store_fails_its_crc32c_after_parts_and_wh
     uri = gcs_server.put("models", "m/w.bin", data)
     gcs_server.tamper("models", "m/w.bin", bytes([data[0] ^ 1]) + data[1:])
     options = DownloadOptions(retries=1, backoff_base_s=0.01, stall_timeout_s=5, part_bytes=300_000)
-    source = open_source(uri)
-    try:
-        with pytest.raises(TransientSourceError, match=r"m/w.bin: crc32c checksum mismatch"):
-            download_all(source, list_objects(source, options), tmp_path, options)
-    finally:
-        source.close()
+    with pytest.raises(TransientSourceError, match=r"m/w.bin: crc32c checksum mismatch"):
+        download(uri, tmp_path, options)
 
 
 @pytest.fixture
@@ -225,12 +217,8 @@ def test_big_objects_from_a_store_that_ignores_range_come_whole(
     (folder / "1" / "other.bin").write_bytes(os.urandom(700_000))  # three
     uri = gcs_server.serve(folder)
     (tmp_path / "dest").mkdir()
-    source = open_source(uri)
-    try:
-        with caplog.at_level(logging.WARNING):
-            download_all(source, list_objects(source, PARTS), tmp_path / "dest", PARTS)
-    finally:
-        source.close()
+    with caplog.at_level(logging.WARNING):
+        download(uri, tmp_path / "dest", PARTS)
     assert tree_bytes(tmp_path / "dest") == tree_bytes(folder)  # (it failed: "the store ignored the Range header")
     warned = [r.getMessage() for r in caplog.records if "ignores the Range header" in r.getMessage()]
     assert warned == [
@@ -250,12 +238,8 @@ def test_a_big_object_a_store_sends_whole_is_still_verified_against_its_crc32c(
     data = os.urandom(1_000_000)
     uri = gcs_server.put("models", "m/w.bin", data)
     gcs_server.tamper("models", "m/w.bin", bytes([data[0] ^ 1]) + data[1:])  # the listed CRC32C is the original's
-    source = open_source(uri)
-    try:
-        with pytest.raises(TransientSourceError, match=r"m/w.bin: crc32c checksum mismatch .*gave up after 2 attempts"):
-            download_all(source, list_objects(source, PARTS), tmp_path, PARTS)
-    finally:
-        source.close()
+    with pytest.raises(TransientSourceError, match=r"m/w.bin: crc32c checksum mismatch .*gave up after 2 attempts"):
+        download(uri, tmp_path, PARTS)
     assert [dropped for _, dropped in media_gets(range_dropper)][-2:] == ["", ""]  # whole, twice
 
 
