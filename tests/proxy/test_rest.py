@@ -508,6 +508,8 @@ def test_a_gzip_bomb_is_refused_before_triton_inflates_it(
         (b"POST /v2/models/OWN/infer HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n{}", 400),
         (b"POST /v2/models/OWN/infer HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n", 400),
         (b"GET /v2 HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+        # Triton counts a tab before the value (not a space): 8192 bytes so counted close its connection
+        (b"GET /v2 HTTP/1.1\r\nX-Big: \t" + b"a" * 8191 + b"\r\n\r\n", 431),
     ],
 )
 def test_malformed_requests_get_an_error_and_a_close(port: int, own: str, raw: bytes, status: int) -> None:
