@@ -84,7 +84,9 @@ def test_ambiguous_or_malformed_heads_are_refused(lines: list[str], status: int,
 @pytest.mark.parametrize(
     ("line", "refused"),
     [
-        ("X-Big:   " + "a" * MAX_FIELD_BYTES, False),  # the blanks before a value do not count, as in Triton
+        ("X-Big:   " + "a" * MAX_FIELD_BYTES, False),  # the spaces before a value do not count, as in Triton
+        ("X-Big: \t" + "a" * (MAX_FIELD_BYTES - 1), False),  # but a tab does
+        ("X-Big: \t" + "a" * MAX_FIELD_BYTES, True),
         ("X-Big: " + "a" * (MAX_FIELD_BYTES + 1), True),
         ("X-Big: " + "a" * (MAX_FIELD_BYTES - 1) + " ", False),  # trailing ones do
         ("X-Big: " + "a" * MAX_FIELD_BYTES + " ", True),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import random
 import resource
 import time
 import tracemalloc
@@ -19,11 +20,13 @@ from hypothesis import strategies as st
 from tritonshare.proxy.http1 import ChunkedReader
 from tritonshare.proxy.inspect import (
     MAX_DEPTH,
+    MAX_INFLATE_RATIO,
     BodyRefused,
     InferBodyCheck,
     RequestBody,
     check_depth,
     check_json,
+    inflation_for,
     might_name_shm,
 )
 
@@ -201,6 +204,41 @@ def test_a_gzip_header_that_inflates_to_nothing_is_bounded() -> None:
 
 def _body_out(body: RequestBody) -> bytes:
     return b"".join(bytes(p) for p in body.take())
+
+
+def _gzip(*parts: bytes) -> bytes:
+    stream = zlib.compressobj(9, zlib.DEFLATED, 31)
+    return b"".join(stream.compress(part) for part in parts) + stream.flush()
+
+
+@pytest.mark.parametrize("with_json", [True, False], ids=["binary-extension", "raw-binary"])
+def test_a_compressed_body_that_inflates_too_far_is_refused_after_its_json_passed(with_json: bool) -> None:
+    # Triton inflates the whole body into memory: the part after the JSON is what a gzip bomb puts there.
+    header = json.dumps(CLEAN).encode() if with_json else b""
+    stream = zlib.compressobj(9, zlib.DEFLATED, 31)
+    first = stream.compress(header) + stream.flush(zlib.Z_SYNC_FLUSH)  # the JSON part comes alone
+    wire = first + stream.compress(bytes(256 << 20)) + stream.flush()  # then 256 MiB of zeros in ~256 KiB
+    check = _new("gzip", len(header), 1 << 20) if with_json else None
+    body = RequestBody(len(wire), False, check, None if with_json else inflation_for("gzip"))
+    assert body.feed(first) == -1 and body.ready  # the JSON part passed: the head goes to Triton
+    forwarded = len(_body_out(body))
+    for i in range(len(first), len(wire), 16384):
+        body.feed(wire[i : i + 16384])
+        forwarded += len(_body_out(body))
+        if body.refusal is not None:
+            break
+    assert body.refusal is not None and body.refusal.status == 413 and "inflates to more than" in body.refusal.message
+    assert forwarded < (1 << 20) // MAX_INFLATE_RATIO + 65536  # what Triton got inflates to about the grace only
+
+
+def test_a_compressed_body_within_the_inflate_bound_streams_whole() -> None:
+    header = json.dumps(CLEAN).encode()
+    noise = random.Random(0)
+    tensor = b"".join(noise.randbytes(4096) + bytes(12288) for _ in range(256))  # 4 MiB, a quarter noise: ~4x
+    wire = _gzip(header, tensor)
+    body = RequestBody(len(wire), False, _new("gzip", len(header), 1 << 20))
+    assert body.feed(wire) == len(wire) and body.refusal is None
+    assert _body_out(body) == wire and gzip.decompress(wire) == header + tensor
 
 
 def test_request_body_holds_until_the_check_passes_then_rechunks() -> None:

@@ -461,6 +461,37 @@ def test_a_registered_region_that_works_directly_is_refused_through_the_proxy(
         shm.destroy_shared_memory_region(handle)
 
 
+def _vm_rss_mib(pid: int) -> int:
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) // 1024
+
+
+@pytest.mark.parametrize("json_header", [True, False], ids=["binary-extension", "raw-binary"])
+def test_a_gzip_bomb_is_refused_before_triton_inflates_it(
+    port: int, own: str, triton: TritonServer, json_header: bool
+) -> None:
+    # Triton inflates a compressed body whole into memory before reading it: 2 MB of gzip took its RSS up 2 GB
+    # (kept), so a few dozen such requests, one tenant's, would have the node kill every tenant's server.
+    header = (
+        json.dumps({"inputs": [{"name": "INPUT0", "shape": [1], "datatype": "FP32"}]}).encode() if json_header else b""
+    )
+    stream = zlib.compressobj(9, zlib.DEFLATED, 31)
+    body = stream.compress(header) + stream.compress(bytes(4))
+    body += b"".join(stream.compress(bytes(1 << 20)) for _ in range(256)) + stream.flush()  # 256 MiB in ~256 KiB
+    head = (
+        f"POST /v2/models/{own}/infer HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+        f"Inference-Header-Content-Length: {len(header)}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    assert triton.process is not None
+    before = _vm_rss_mib(triton.process.pid)
+    with Raw(port) as raw:
+        status, headers, answer = raw.send(head + body).response()
+        assert status == 413 and "inflates to more than 100 times its size" in error_of(answer), answer
+        assert headers["connection"] == "close" and raw.closed_by_peer()
+    assert _vm_rss_mib(triton.process.pid) - before < 64  # Triton dropped the part it had, never inflated the rest
+    assert request(port, "POST", f"/v2/models/{own}/infer", infer_body([1.0]))[0] == 200
+
+
 # ---------------------------------------------------------------------------------------------- malformed
 
 
@@ -477,6 +508,8 @@ def test_a_registered_region_that_works_directly_is_refused_through_the_proxy(
         (b"POST /v2/models/OWN/infer HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n{}", 400),
         (b"POST /v2/models/OWN/infer HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n", 400),
         (b"GET /v2 HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+        # Triton counts a tab before the value (not a space): 8192 bytes so counted close its connection
+        (b"GET /v2 HTTP/1.1\r\nX-Big: \t" + b"a" * 8191 + b"\r\n\r\n", 431),
     ],
 )
 def test_malformed_requests_get_an_error_and_a_close(port: int, own: str, raw: bytes, status: int) -> None:

@@ -24,8 +24,8 @@ _FIELD_LINES = re.compile(rb"(?:" + _TOKEN + rb":[\t\x20-\x7e\x80-\xff]*(?:\r\n|
 _CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})(?:[ \t]*;[\x20-\x7e\t\x80-\xff]*)?")
 _MAX_RESPONSE_HEAD = 64 * 1024
 # Triton (2.51, libevhtp) closes the connection on a longer header name, or value (counted from its first byte
-# that is not a space or tab, trailing blanks included; measured): refused here with 431, rather than forwarded
-# to become a 502 counted as an upstream error.
+# that is not a space — tabs before the value count, as do trailing blanks; measured): refused here with 431,
+# rather than forwarded to become a 502 counted as an upstream error.
 MAX_FIELD_BYTES = 8191
 _STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([1-5][0-9][0-9])(?: [^\r\n]*)?")
 
@@ -152,7 +152,7 @@ def _parse_fields(block: bytes) -> list[_Field]:
     fields = []
     for line in block.split(b"\r\n"):
         name, _, value = line.partition(b":")
-        if len(line) > MAX_FIELD_BYTES and max(len(name), len(value.lstrip(b" \t"))) > MAX_FIELD_BYTES:
+        if len(line) > MAX_FIELD_BYTES and max(len(name), len(value.lstrip(b" "))) > MAX_FIELD_BYTES:
             message = f"header {_show(name)}: its name or value is longer than {MAX_FIELD_BYTES} bytes (Triton's limit)"
             raise HttpError(431, message, "too_large")
         fields.append((name.lower(), name, value.strip(b" \t"), line))

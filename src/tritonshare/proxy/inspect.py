@@ -14,8 +14,10 @@ What the JSON is, read the way Triton reads it (``http_server.cc``):
   the decoded body; ``0`` means a raw binary body (no JSON at all); without the header, the whole body;
 - generate / generate_stream: the whole body (the header is ignored by Triton there).
 
-Only the JSON part is held, bounded by ``max_json_bytes`` (more is a 413); compressed input is inflated only
-as far as that part, in bounded steps, so a gzip bomb cannot blow memory. The fast path: JSON that contains
+Only the JSON part is held, bounded by ``max_json_bytes`` (more is a 413). A compressed body is inflated
+whole as it passes, in bounded steps, its output past the JSON part dropped (:class:`Inflation`): Triton
+inflates it whole into memory before reading it, so one that inflates too far is refused (413) — a gzip bomb
+blows up neither the proxy nor the shared Triton. The fast path: JSON that contains
 neither ``shared_memory_`` nor a backslash cannot spell such a key, so it is not looked at further; else one
 scan of its string tokens finds the keys (:func:`check_json`), in bounded memory.
 
@@ -36,6 +38,16 @@ from tritonshare.proxy.policy import SHM_MARKER, SHM_PARAMETERS
 # zlib/gzip header detection, as Triton does.
 ENCODINGS: dict[str, int | None] = {"": None, "identity": None, "gzip": 47, "deflate": 47}
 _HELD_SLACK = 1 << 20  # encoded bytes held beyond max_json_bytes before the JSON part must be complete
+# Triton (2.51) inflates a compressed body whole into memory before it reads it, with no bound of its own
+# (measured: 2 MB of gzip sent through the proxy took Triton's RSS up by 2 GB, kept after the request; four such
+# requests at once, to 8.5 GB: a few dozen would have the node kill every tenant's server). A body may inflate
+# to at most MAX_INFLATE_RATIO times the compressed bytes read so far (the zip-bomb guard of Envoy's
+# decompressor, same default) once past INFLATE_GRACE_BYTES, and never to 2 GiB, where Triton's int overflows
+# and it refuses the request, but only after inflating it.
+MAX_INFLATE_RATIO = 100
+INFLATE_GRACE_BYTES = 1 << 20
+MAX_INFLATED_BYTES = (2 << 30) - 1
+_INFLATE_STEP = 1 << 20  # inflated bytes produced at a time (then dropped): the proxy's memory per step
 
 
 class BodyRefused(Exception):
@@ -199,14 +211,9 @@ class InferBodyCheck:
     """
 
     def __init__(self, *, encoding: str, json_length: int | None, max_json_bytes: int) -> None:
-        if encoding not in ENCODINGS:
-            raise BodyRefused(
-                415, f"Content-Encoding {encoding!r} is not supported: use gzip, deflate or identity", "encoding"
-            )
+        self.inflation = inflation_for(encoding)  # RequestBody goes on with it past the JSON part
         if json_length is not None and json_length > max_json_bytes:
             raise BodyRefused(413, _too_large(max_json_bytes), "too_large")
-        wbits = ENCODINGS[encoding]
-        self._inflate = zlib.decompressobj(wbits) if wbits is not None else None
         self._wanted = json_length  # None: the whole (decoded) body is JSON
         self._limit = max_json_bytes
         self._json = bytearray()
@@ -221,10 +228,10 @@ class InferBodyCheck:
 
     def feed(self, payload: bytes | memoryview) -> list[bytes | memoryview] | None:
         self._hold(payload)
-        if self._inflate is None:
+        if self.inflation is None:
             self._json += payload[: self.needed]
         else:
-            self._inflate_some(payload)
+            self._json += self.inflation.feed(payload, self.needed)
         if self._wanted is None:
             if len(self._json) > self._limit:
                 raise BodyRefused(413, _too_large(self._limit), "too_large")
@@ -234,7 +241,7 @@ class InferBodyCheck:
         return self._judge()
 
     def finish(self) -> list[bytes | memoryview]:
-        if self._inflate is not None and not self._inflate.eof:
+        if self.inflation is not None and not self.inflation.eof:
             raise BodyRefused(400, "the body ends before the end of its compressed stream", "encoding")
         if self._wanted is not None and len(self._json) < self._wanted:
             raise _short(self._wanted, len(self._json))
@@ -252,26 +259,66 @@ class InferBodyCheck:
             raise BodyRefused(413, _too_large(self._limit), "too_large")
         self._held.append(payload)
 
-    def _inflate_some(self, payload: bytes | memoryview) -> None:
-        inflate = self._inflate
-        assert inflate is not None
-        if inflate.eof:
-            self._after_stream(payload)
-            return
-        data: bytes | memoryview = payload
+
+def inflation_for(encoding: str) -> Inflation | None:
+    """The inflater of a body with this ``Content-Encoding`` (None: not encoded); 415 for one Triton cannot read."""
+    if encoding not in ENCODINGS:
+        raise BodyRefused(
+            415, f"Content-Encoding {encoding!r} is not supported: use gzip, deflate or identity", "encoding"
+        )
+    wbits = ENCODINGS[encoding]
+    return None if wbits is None else Inflation(wbits)
+
+
+class Inflation:
+    """Inflates a compressed body as it passes, as Triton will: its beginning is handed back (the JSON part to
+    check), the rest counted and dropped, in steps of at most :data:`_INFLATE_STEP` bytes. Raises
+    :class:`BodyRefused` when the body inflates past its bound (:data:`MAX_INFLATE_RATIO`), is not a
+    gzip/zlib stream, or has data after the end of its stream (Triton stops there: it could be read two ways)."""
+
+    __slots__ = ("_inflate", "_compressed", "_inflated")
+
+    def __init__(self, wbits: int) -> None:
+        self._inflate = zlib.decompressobj(wbits)
+        self._compressed = 0
+        self._inflated = 0
+
+    @property
+    def eof(self) -> bool:
+        return self._inflate.eof
+
+    def feed(self, data: bytes | memoryview, keep: int = 0) -> bytes:
+        """Inflate all of ``data``; return the first ``keep`` bytes it inflates to, dropping the rest."""
+        inflate, kept = self._inflate, bytearray()
         try:
-            while data and self.needed > 0 and not inflate.eof:
-                self._json += inflate.decompress(data, self.needed)
+            while not inflate.eof:
+                step = min(keep - len(kept), _INFLATE_STEP) if len(kept) < keep else _INFLATE_STEP
+                out = inflate.decompress(data, step)
+                self._compressed += len(data) - len(inflate.unconsumed_tail)
+                self._inflated += len(out)
+                self._bound()
+                if len(kept) < keep:
+                    kept += out
                 data = inflate.unconsumed_tail
+                if not data and len(out) < step:  # all input read, no output left pending
+                    break
         except zlib.error as exc:
             raise BodyRefused(400, f"the compressed body cannot be decoded: {exc}", "encoding") from None
-        if inflate.eof:
-            self._after_stream(inflate.unused_data)
-
-    def _after_stream(self, extra: bytes | memoryview) -> None:
-        # Triton stops at the end of the first stream; anything after it could be read two ways.
-        if extra:
+        if inflate.eof and (data or inflate.unused_data):
             raise BodyRefused(400, "data follows the end of the compressed body", "encoding")
+        return bytes(kept)
+
+    def _bound(self) -> None:
+        inflated = self._inflated
+        if inflated > MAX_INFLATED_BYTES or (
+            inflated > INFLATE_GRACE_BYTES and inflated > MAX_INFLATE_RATIO * self._compressed
+        ):
+            raise BodyRefused(
+                413,
+                f"the compressed body inflates to more than {MAX_INFLATE_RATIO} times its size (or to 2 GiB), "
+                "which the shared inference server would hold whole in memory; send it uncompressed",
+                "too_large",
+            )
 
 
 class RequestBody:
@@ -282,15 +329,20 @@ class RequestBody:
     :meth:`feed` consumes client bytes and returns the index just past the body's end (-1: more to come); what
     may go to Triton now is collected by :meth:`take`. ``ready`` turns True when the check passes (the head
     goes first); ``refusal`` is set if it fails, and from then on, as after :meth:`drop`, the rest of the body
-    is read and dropped. Malformed chunked framing raises :class:`~tritonshare.proxy.http1.HttpError`.
+    is read and dropped. A compressed body is inflated to its end (``inflation``: the check's, else the one
+    given), so one that inflates too far is refused even after its JSON part passed. Malformed chunked framing
+    raises :class:`~tritonshare.proxy.http1.HttpError`.
     """
 
-    __slots__ = ("left", "chunks", "check", "ready", "refusal", "dropping", "_out")
+    __slots__ = ("left", "chunks", "check", "inflation", "ready", "refusal", "dropping", "_out")
 
-    def __init__(self, length: int, chunked: bool, check: InferBodyCheck | None = None) -> None:
+    def __init__(
+        self, length: int, chunked: bool, check: InferBodyCheck | None = None, inflation: Inflation | None = None
+    ) -> None:
         self.left = length
         self.chunks = ChunkedReader(400) if chunked else None
         self.check = check
+        self.inflation = check.inflation if check is not None else inflation
         self.ready = check is None
         self.refusal: BodyRefused | None = None
         self.dropping = False
@@ -299,7 +351,7 @@ class RequestBody:
     def drop(self) -> RequestBody:
         """The proxy answered the request: read the rest of its body and forget it."""
         self.dropping = True
-        self.check = None
+        self.check = self.inflation = None
         self._out = []
         return self
 
@@ -326,6 +378,12 @@ class RequestBody:
         if not part or self.dropping:
             return
         if self.check is None:
+            if self.inflation is not None:
+                try:
+                    self.inflation.feed(part)
+                except BodyRefused as exc:
+                    self._refuse(exc)
+                    return
             self._emit(part)
             return
         try:

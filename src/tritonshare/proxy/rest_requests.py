@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from tritonshare.proxy import admission, auth
 from tritonshare.proxy.http1 import CONTINUE, HttpError, error_response
-from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_plain_body
+from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_plain_body, inflation_for
 from tritonshare.proxy.policy import REST_SERVER_ROUTES
 from tritonshare.proxy.readiness import UNREACHABLE, TritonProbe
 from tritonshare.proxy.rest_exchange import Exchange
@@ -215,20 +215,24 @@ class RequestPath:
         """A body still to come (or chunked, or encoded): hold it for the check if needed, else stream it."""
         judged, head = ex.judged, ex.judged.head
         self._upstream()  # connect while the body arrives
-        check = None
-        if judged.inspect and judged.json_length != 0:
+        check = inflation = None
+        if judged.inspect:
             try:
-                check = InferBodyCheck(
-                    encoding=head.content_encoding,
-                    json_length=judged.json_length,
-                    max_json_bytes=self.fe.rules.max_json_bytes,
-                )
+                if judged.json_length != 0:
+                    check = InferBodyCheck(
+                        encoding=head.content_encoding,
+                        json_length=judged.json_length,
+                        max_json_bytes=self.fe.rules.max_json_bytes,
+                    )
+                else:  # a raw binary body: nothing to check but how far it inflates (Triton inflates it too)
+                    inflation = inflation_for(head.content_encoding)
             except BodyRefused as exc:
                 self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
                 return rest
+        if check is not None:
             ex.held = True  # not in flight until the check passes, but a drain waits for it
             self.state.held += 1
-        ex.body = RequestBody(judged.length, head.chunked, check)
+        ex.body = RequestBody(judged.length, head.chunked, check, inflation)
         if head.expect_continue:
             self._write(CONTINUE)
         if check is None:
@@ -249,7 +253,10 @@ class RequestPath:
             return b""
         refusal = body.refusal
         if refusal is not None and not ex.response_done:
-            self._refuse(ex, refusal.status, refusal.message, refusal.reason, close=refusal.status == 413)
+            if ex.forwarded:  # Triton has part of it (a body that inflates too far): it loses that connection
+                self._give_up(ex, refusal.status, None if self._answered(ex) else refusal.message, refusal.reason)
+            else:
+                self._refuse(ex, refusal.status, refusal.message, refusal.reason, close=refusal.status == 413)
         elif body.ready and not was_ready:
             self._begin(ex, ex.judged.upstream)  # the check passed: the head, then what was held
         for piece in body.take():
