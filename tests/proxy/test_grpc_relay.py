@@ -374,7 +374,8 @@ def test_a_silent_client_gets_no_triton_connection_and_is_closed() -> None:
         connection.connection_made(to_client)  # type: ignore[arg-type]
         for _ in range(10):
             await asyncio.sleep(0)
-        connection._close_silent()  # what the silence timer does after SILENT_TIMEOUT_S
+        assert connection._opening is not None
+        connection._opening.close_silent()  # what the silence timer does after SILENT_TIMEOUT_S
         return len(opened), to_client.closed
 
     assert asyncio.run(scenario()) == (0, True)
