@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import hpack
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
@@ -22,6 +23,7 @@ from tritonshare.proxy import http2
 from tritonshare.proxy.grpc import GrpcFrontend
 from tritonshare.proxy.grpc_connection import ClientConnection
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
+from tritonshare.proxy.grpc_verdicts import Unavailable
 from tritonshare.proxy.policy import GRPC_SERVICE
 from tritonshare.proxy.settings import ProxySettings
 from tritonshare.proxy.state import ProxyState
@@ -372,10 +374,37 @@ def test_a_silent_client_gets_no_triton_connection_and_is_closed() -> None:
         connection.connection_made(to_client)  # type: ignore[arg-type]
         for _ in range(10):
             await asyncio.sleep(0)
-        connection._close_silent()  # what the silence timer does after SILENT_TIMEOUT_S
+        assert connection._opening is not None
+        connection._opening.close_silent()  # what the silence timer does after SILENT_TIMEOUT_S
         return len(opened), to_client.closed
 
     assert asyncio.run(scenario()) == (0, True)
+
+
+@pytest.mark.parametrize("turned_away", [False, True], ids=["triton-unreachable", "turned-away"])
+def test_a_connection_the_proxy_answers_itself_acknowledges_settings_and_pings(turned_away: bool) -> None:
+    # the proxy stands in for Triton there: a client whose SETTINGS or keepalive PINGs go unacknowledged drops
+    # the connection (a keepalive timeout) instead of reading the UNAVAILABLE answers
+    async def scenario() -> list[tuple[int, int, int, bytes]]:
+        state = ProxyState(ProxySettings(name="own", triton_grpc="127.0.0.1:1"))
+
+        async def open_upstream(factory: Callable[[], UpstreamConnection]) -> UpstreamConnection:
+            raise ConnectionRefusedError("connection refused")
+
+        why = Unavailable("too many connections", "too_many_connections") if turned_away else None
+        to_client = Recorder()
+        connection = ClientConnection(GrpcFrontend(state, open_upstream=open_upstream), state, turned_away=why)
+        connection.connection_made(to_client)  # type: ignore[arg-type]
+        connection.data_received(http2.PREFACE + http2.settings() + http2.frame(http2.PING, 0, 0, b"first..."))
+        for _ in range(10):  # Triton's connection is refused (a few loop iterations: task, wait_for)
+            await asyncio.sleep(0)
+        connection.data_received(http2.frame(http2.PING, 0, 0, b"second.."))
+        return frames(bytes(to_client.out))
+
+    answered = asyncio.run(scenario())
+    assert (http2.SETTINGS, http2.ACK, 0, b"") in answered
+    assert (http2.PING, http2.ACK, 0, b"first...") in answered
+    assert (http2.PING, http2.ACK, 0, b"second..") in answered
 
 
 def test_a_frame_trickled_in_tiny_reads_is_kept_in_one_buffer_and_relayed_whole() -> None:

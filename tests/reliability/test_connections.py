@@ -38,7 +38,7 @@ def test_a_grpc_connection_that_sends_nothing_opens_no_connection_to_triton(
     """Regression (found by this test): the proxy connected to Triton's gRPC port as soon as a TCP connection
     was accepted, so N bare connects to a tenant's proxy held N connections on the node's SHARED Triton.
     Triton's connection now opens with the client's first bytes, and a silent connection is closed after
-    ``grpc_connection.SILENT_TIMEOUT_S``."""
+    ``grpc_opening.SILENT_TIMEOUT_S``."""
     http_port, grpc_port = free_port(), free_port()
     with open(tmp_path / "proxy.log", "wb") as log:
         proxy = subprocess.Popen(hostile.proxy_command(http_port, grpc_port, tmp_path), stdout=log, stderr=log)

@@ -23,7 +23,8 @@ same bytes, so the two stay in step) to read ``:path``, which the policy table j
   streams, so their later frames are dropped (a stream frame for an idle stream is a connection error for
   Triton), client DATA is credited back with a connection WINDOW_UPDATE, and the DATA bytes of local
   answers are subtracted from the client's next connection WINDOW_UPDATEs to Triton (they were never
-  Triton's to credit).
+  Triton's to credit; the client's frames other than DATA and header blocks:
+  :mod:`tritonshare.proxy.grpc_control`).
 - A dropped header block that changed the client's table (incremental indexing, size update) would put
   Triton's table out of step: from then on the connection is in re-encode mode, where every forwarded
   block is decoded and re-encoded without indexing (:func:`encode_plain`). The same mode strips
@@ -32,9 +33,10 @@ same bytes, so the two stay in step) to read ``:path``, which the policy table j
   they came; other encodings are refused with UNIMPLEMENTED.
 
 Triton → client (:mod:`tritonshare.proxy.grpc_upstream`): bytes pass through untouched; frame headers
-are read, and header blocks decoded (cached) for ``grpc-status``. When Triton cannot be reached, the
-proxy answers as a minimal HTTP/2 server: each stream gets UNAVAILABLE, then GOAWAY; the next connection
-tries Triton again. Upstream dying mid-connection closes the client's connection.
+are read, and header blocks decoded (cached) for ``grpc-status``. Triton's connection opens with the
+client's first bytes (:mod:`tritonshare.proxy.grpc_opening`); when Triton cannot be reached, the proxy
+answers as a minimal HTTP/2 server: each stream gets UNAVAILABLE, then GOAWAY; the next connection tries
+Triton again. Upstream dying mid-connection closes the client's connection.
 
 Access and fairness (issue 9; each off unless its option is given):
 
@@ -73,7 +75,8 @@ import asyncio
 from collections.abc import Callable
 
 from tritonshare.common.errors import cannot_listen
-from tritonshare.proxy.grpc_connection import ClientConnection, OpenUpstream
+from tritonshare.proxy.grpc_connection import ClientConnection
+from tritonshare.proxy.grpc_opening import OpenUpstream
 from tritonshare.proxy.grpc_streams import PROTOCOL
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
 from tritonshare.proxy.grpc_verdicts import Unavailable

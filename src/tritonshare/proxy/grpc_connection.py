@@ -2,22 +2,26 @@
 
 See :mod:`tritonshare.proxy.grpc` for the design. This side parses every client frame, judges each request
 message of a stream it forwarded, and forwards whole frames — as they came whenever possible, so a read
-usually leaves in one write without a copy. Its header blocks (a new stream's ``:path`` judged, the stream
-opened) are read by :mod:`tritonshare.proxy.grpc_headers`.
+usually leaves in one write without a copy. Each frame goes to a handler by its type, from the table of
+:mod:`tritonshare.proxy.grpc_control`: DATA frames are judged here; header blocks (a new stream's ``:path``
+judged, the stream opened) are read by :mod:`tritonshare.proxy.grpc_headers`; the other frames by
+:mod:`tritonshare.proxy.grpc_control`. Triton's connection opens with the client's first bytes
+(:mod:`tritonshare.proxy.grpc_opening`); while it cannot be reached, this side answers every stream itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Protocol, cast
 
 from tritonshare.proxy import grpc_replies, http2
 from tritonshare.proxy.grpc_admission import StreamGate
 from tritonshare.proxy.grpc_answers import LocalAnswers
+from tritonshare.proxy.grpc_control import ControlFrames, FrameHandler, frame_handlers
 from tritonshare.proxy.grpc_headers import ClientHeaders
 from tritonshare.proxy.grpc_messages import MessageInspector, Refusal
+from tritonshare.proxy.grpc_opening import OpenUpstream, UpstreamOpening
 from tritonshare.proxy.grpc_streams import PROTOCOL, IdleWatch, ResetBudget, Stream, StreamTable
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
 from tritonshare.proxy.grpc_verdicts import TRITON_DOWN, Unavailable
@@ -27,18 +31,10 @@ from tritonshare.proxy.state import ProxyState
 
 logger = logging.getLogger(__name__)
 
-_PENDING_LIMIT = 1 << 20  # client bytes buffered while Triton's connection opens; reading pauses beyond
-SILENT_TIMEOUT_S = 30.0  # a client connection that sends no byte for this long is closed
 _STATUS_LABELS = grpc_replies.STATUS_LABELS
 # Why reading the client is paused (bits): Triton's connection or the client's has too much to write, or too
 # many bytes wait for Triton's connection to open.
-_TRITON_FULL, _CLIENT_FULL, _PENDING_FULL = 1, 2, 4
-
-# Opens the connection to Triton for one client connection (a seam: tests pass their own).
-OpenUpstream = Callable[[Callable[[], UpstreamConnection]], Awaitable[UpstreamConnection]]
-# Reads one frame (the read, the frame's start and end in it, its flags, its stream): None forwards it as it
-# is, b"" drops it, other bytes go instead.
-FrameHandler = Callable[[bytes, int, int, int, int], bytes | None]
+_TRITON_FULL, _CLIENT_FULL, _HELD_FULL = 1, 2, 4
 # Frame constants read for every frame, as module globals (an attribute lookup each is measurable).
 _HEADER_SIZE, _STREAM_ID_MASK = http2.HEADER_SIZE, http2.STREAM_ID_MASK
 _SMALL_READ = 4096  # reads shorter than this, of an incomplete frame, are copied into one buffer
@@ -56,8 +52,6 @@ class Host(Protocol):
 class ClientConnection(asyncio.Protocol):
     """One client connection: judges its frames and forwards them to its own Triton connection."""
 
-    _silence: asyncio.TimerHandle | None  # closes a connection that stays silent (from connection_made)
-
     def __init__(self, host: Host, state: ProxyState, *, turned_away: Unavailable | None = None) -> None:
         """``turned_away``: the connection is past ``--max-connections`` (:mod:`tritonshare.proxy.overload`); it
         answers the client's streams itself, then goes away."""
@@ -65,9 +59,7 @@ class ClientConnection(asyncio.Protocol):
         self._state = state
         self.transport: asyncio.Transport | None = None
         self._upstream: UpstreamConnection | None = None
-        self._connecting: asyncio.Task[None] | None = None
-        self._pending: list[bytes] | None = []  # client bytes received while Triton's connection opens
-        self._pending_size = 0
+        self._opening: UpstreamOpening | None = None  # from connection_made until Triton's connection is open
         self._unavailable = turned_away  # set: answer every stream UNAVAILABLE, for this reason
         self._partial: list[bytes | bytearray | memoryview] = []  # pieces of a frame not yet complete
         self._partial_size = 0
@@ -76,7 +68,7 @@ class ClientConnection(asyncio.Protocol):
         self._max_frame = http2.DEFAULT_MAX_FRAME_SIZE  # the largest the client may send: Triton's SETTINGS say
         self._max_header_bytes = state.settings.max_header_bytes
         self._max_streams = state.settings.grpc_max_streams
-        self._paused = 0  # why reading the client is paused (_TRITON_FULL | _CLIENT_FULL | _PENDING_FULL)
+        self._paused = 0  # why reading the client is paused (_TRITON_FULL | _CLIENT_FULL | _HELD_FULL)
         self._resets = ResetBudget()
         self._idle: IdleWatch | None = None  # once the client has sent bytes
         self._streams = StreamTable(state, self._credit)
@@ -94,82 +86,53 @@ class ClientConnection(asyncio.Protocol):
         self.reset_streams = self._streams.reset  # read by the Triton side for every frame
         self._goaway_last: int | None = None
         self._headers = ClientHeaders(self, state, self._streams, self._answers, self._gate, self._to_client)
-        self._frame_handlers: tuple[FrameHandler, ...] = (
-            self._on_data,
-            self._headers.on_headers,
-            _as_is,
-            self._on_rst_stream,
-            self._on_settings,
-            _push_promise,
-            self._on_ping,
-            _as_is,
-            self._on_window_update,
-            self._headers.on_continuation,
-        ) + (_as_is,) * 246  # extension frames (types 10-255) pass on: receivers ignore unknown types
-        # Inside a header block only its CONTINUATION frames may come (RFC 7540 §6.10).
-        self._block_handlers: tuple[FrameHandler, ...] = (
-            (_interrupted,) * http2.CONTINUATION + (self._headers.on_continuation,) + (_interrupted,) * 246
+        self._control = ControlFrames(
+            self._streams, self._answers, self._resets, self._to_client, self._close_if_drained
         )
-        self._handlers: tuple[FrameHandler, ...] = (
-            self._frame_handlers
-        )  # by frame type; the block's own while a header block is open
+        self._frame_handlers, self._block_handlers = frame_handlers(self._on_data, self._headers, self._control)
+        # By frame type; the block's own while a header block is open.
+        self._handlers: tuple[FrameHandler, ...] = self._frame_handlers
 
     # ---------------------------------------------------------------------------------- lifecycle
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
         if self._unavailable is not None:  # turned away: takes no place, opens nothing at Triton
-            self._pending, self._silence = None, None
             self._become_unavailable(self._unavailable)
             return
         self._host.connections.add(self)
-        # Triton's connection opens with the client's first bytes, not at accept: bare TCP connects must not
-        # hold connections on the node's shared Triton; one that stays silent is closed.
-        self._silence = asyncio.get_running_loop().call_later(SILENT_TIMEOUT_S, self._close_silent)
+        client = self.transport
+        self._opening = UpstreamOpening(
+            self,
+            client,
+            self._state,
+            open_upstream=self._host.open_upstream,
+            upstream_address=self._host.upstream_address,
+            new_upstream=lambda: UpstreamConnection(self, client, self._max_streams),
+        )
         if self._host.draining:
             self.begin_drain()
 
-    def _close_silent(self) -> None:
-        if self.transport is not None and self._connecting is None:
-            self.transport.close()
-
-    async def _connect(self) -> None:
-        client = self.transport
-        assert client is not None
-        try:
-            upstream = await asyncio.wait_for(
-                self._host.open_upstream(lambda: UpstreamConnection(self, client, self._max_streams)),
-                self._state.settings.connect_timeout_s,
-            )
-        except (OSError, TimeoutError) as exc:
-            self._state.metrics.upstream_error(PROTOCOL)
-            logger.warning(
-                "Triton gRPC at %s is unreachable (%s): answering UNAVAILABLE",
-                self._host.upstream_address,
-                exc or "connect timeout",
-            )
+    def opened(self, upstream: UpstreamConnection | None, held: list[bytes]) -> None:
+        """Triton's connection is open (None: Triton cannot be reached): the client's bytes ``held`` meanwhile
+        go on."""
+        if upstream is None:
             self._become_unavailable(TRITON_DOWN)
         else:
-            if client.is_closing():
-                if upstream.transport is not None:
-                    upstream.transport.close()
-                return
             self._upstream = upstream
-        pending, self._pending = self._pending or [], None
-        self._pause_client(_PENDING_FULL, False)
-        for data in pending:
+        self._opening = None
+        self._pause_client(_HELD_FULL, False)
+        for data in held:
             if self.transport is None:  # ended while relaying what came before (see _close_with)
                 break
             self._relay(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._host.connections.discard(self)
-        if self._silence is not None:
-            self._silence.cancel()
+        if self._opening is not None:
+            self._opening.cancel()
         if self._idle is not None:
             self._idle.cancel()
-        if self._connecting is not None:
-            self._connecting.cancel()
         self._answers.cancel()
         if self._upstream is not None and self._upstream.transport is not None:
             self._upstream.transport.close()
@@ -264,27 +227,24 @@ class ClientConnection(asyncio.Protocol):
     # ---------------------------------------------------------------------------------- client's side
 
     def data_received(self, data: bytes) -> None:
-        if self._pending is None and not self._partial and not self._unavailable:
+        if self._opening is None and not self._partial and not self._unavailable:
             try:  # the common case: Triton's connection is open, no frame left over from the last read
                 self._relay_frames(data, 0)
             except (http2.FrameError, HpackError) as exc:
                 self._fail(exc)
             return
-        if self._pending is not None:  # Triton's connection is still opening
-            if self._connecting is None:
-                self._first_bytes()
-            self._pending.append(data)
-            self._pending_size += len(data)
-            if self._pending_size > _PENDING_LIMIT:
-                self._pause_client(_PENDING_FULL, True)
+        opening = self._opening
+        if opening is not None:  # Triton's connection is still opening
+            if not opening.started:
+                self._first_bytes(opening)
+            if opening.hold(data):
+                self._pause_client(_HELD_FULL, True)
             return
         self._relay(data)
 
-    def _first_bytes(self) -> None:
+    def _first_bytes(self, opening: UpstreamOpening) -> None:
         """The client spoke: Triton's connection opens, and the connection is closed once idle for long."""
-        if self._silence is not None:
-            self._silence.cancel()
-        self._connecting = asyncio.get_running_loop().create_task(self._connect())
+        opening.start()
         if (idle_s := self._state.settings.grpc_idle_timeout_s) > 0:
             self._idle = IdleWatch(self._streams, lambda: bool(self._answers.tasks), self._end_idle, idle_s)
 
@@ -417,7 +377,7 @@ class ClientConnection(asyncio.Protocol):
         elif self.transport is not None and not self.transport.is_closing():
             self.transport.write(frames)
 
-    # Frame handlers: return None to forward the frame as it is, b"" to drop it, or bytes to send instead.
+    # The DATA frame handler: returns None to forward the frame as it is, b"" to drop it, or bytes to send instead.
 
     def _on_data(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
         stream = self._active.get(stream_id)
@@ -470,36 +430,6 @@ class ClientConnection(asyncio.Protocol):
         if length:
             self._to_client(http2.window_update(0, length))
 
-    def _on_rst_stream(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-        if self._streams.finish(stream_id, "cancelled"):
-            self._resets.spend()
-            self._close_if_drained()
-            return None
-        if self._streams.forget_local(stream_id):
-            return b""
-        return None if self._streams.known_upstream(stream_id) else b""
-
-    def _on_settings(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-        if self._unavailable and not flags & http2.ACK:
-            self._to_client(http2.SETTINGS_ACK)
-        return None
-
-    def _on_ping(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-        if self._unavailable and not flags & http2.ACK:
-            self._to_client(http2.frame(http2.PING, http2.ACK, 0, data[pos + http2.HEADER_SIZE : stop]))
-        return None
-
-    def _on_window_update(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-        if stream_id:
-            return None if self._streams.known_upstream(stream_id) else b""
-        answers = self._answers
-        if not answers.window_debt or stop - pos < http2.HEADER_SIZE + 4:
-            return None
-        increment = http2.window_increment(memoryview(data)[pos + http2.HEADER_SIZE : stop])
-        paid = min(increment, answers.window_debt)
-        answers.window_debt -= paid
-        return http2.window_update(0, increment - paid)
-
     # ---------------------------------------------------------------------------------- Triton down
 
     def _become_unavailable(self, why: Unavailable) -> None:
@@ -509,6 +439,10 @@ class ClientConnection(asyncio.Protocol):
         transparently and at once, in a loop.)"""
         self._unavailable = why
         self._headers.forget_forwarded()
+        answering = self._control.answering(self._frame_handlers)  # SETTINGS and PING acknowledged here
+        if self._handlers is self._frame_handlers:
+            self._handlers = answering
+        self._frame_handlers = answering
         self._to_client(http2.settings({http2.SETTINGS_MAX_CONCURRENT_STREAMS: self._max_streams}))
         if self.transport is not None:
             transport = self.transport
@@ -525,15 +459,3 @@ def _pause_reading(transport: asyncio.Transport | None, paused: bool) -> None:
         transport.pause_reading()
     else:
         transport.resume_reading()
-
-
-def _as_is(data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-    return None
-
-
-def _push_promise(data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-    raise http2.FrameError("a client sent PUSH_PROMISE: only servers may (RFC 9113 §8.4)")
-
-
-def _interrupted(data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-    raise http2.FrameError("a header block was interrupted by another frame (RFC 7540 §6.10)")

@@ -47,7 +47,7 @@ from tritonshare.proxy.tls import Handshakes
 logger = logging.getLogger(__name__)
 
 # A request head must be complete this long after its first byte arrived (a connection's first head: after the
-# connection was accepted, so a silent one is closed then, as gRPC's are, grpc_connection.SILENT_TIMEOUT_S).
+# connection was accepted, so a silent one is closed then, as gRPC's are, grpc_opening.SILENT_TIMEOUT_S).
 HEADER_TIMEOUT_S = 30.0
 # A keep-alive connection without a request for this long is closed: nginx's keepalive_timeout, which HTTP
 # clients' pools are made to live with. Each idle connection holds a place under --max-connections.
