@@ -20,12 +20,10 @@ Each server's ``env()`` is what a client process needs to reach it (``AWS_ENDPOI
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import hashlib
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tarfile
@@ -38,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.support.children import die_with_parent
 from tests.support.models import write_model
 from tests.support.ports import free_port, wait_port
 from tests.support.sockets import accept_each
@@ -362,11 +361,6 @@ class SlowS3Lister(_AiohttpInThread):
         return response
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the parent dies, so a killed test run leaves no server."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG (Linux)
-
-
 def rclone_binary() -> Path:
     for venv in (".venv", ".venv-bench"):
         path = REPO_ROOT / venv / "bin" / "rclone"
@@ -404,7 +398,7 @@ class RcloneS3(_S3Base):
 
     def start(self) -> RcloneS3:
         self.root.mkdir(parents=True, exist_ok=True)
-        self._process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        self._process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         wait_port(self.port)
         return self
 

@@ -12,6 +12,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.children import die_with_parent
 from tests.support.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +95,9 @@ class TritonServer:
     def start(self, timeout_s: float = 60.0) -> TritonServer:
         cmd, env = self.command()
         log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+        )
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -1,0 +1,13 @@
+"""Servers the tests start as child processes: none may outlive the test run that started it."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+
+
+def die_with_parent() -> None:
+    """In the child before exec (``preexec_fn``): get SIGTERM when the parent dies, so a test run that is killed
+    (a timeout, ^C twice, SIGKILL) leaves no server behind. Linux; the parent is the thread that started the
+    child, so start it from the thread that outlives it (the tests start their servers from the main thread)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
