@@ -47,6 +47,12 @@ _HELD_SLACK = 1 << 20  # encoded bytes held beyond max_json_bytes before the JSO
 MAX_INFLATE_RATIO = 100
 INFLATE_GRACE_BYTES = 1 << 20
 MAX_INFLATED_BYTES = (2 << 30) - 1
+# What a refusal says after "the compressed body" (REST) or "the compressed message" (gRPC, which Triton inflates
+# whole in memory too: grpc_messages).
+INFLATES_TOO_FAR = (
+    f"inflates to more than {MAX_INFLATE_RATIO} times its size (or to 2 GiB), which the shared inference server "
+    "would hold whole in memory; send it uncompressed"
+)
 _INFLATE_STEP = 1 << 20  # inflated bytes produced at a time (then dropped): the proxy's memory per step
 
 
@@ -260,6 +266,13 @@ class InferBodyCheck:
         self._held.append(payload)
 
 
+def inflates_too_far(inflated: int, compressed: int) -> bool:
+    """Has a stream that took ``compressed`` bytes inflated past its bound (:data:`MAX_INFLATE_RATIO`)?"""
+    return inflated > MAX_INFLATED_BYTES or (
+        inflated > INFLATE_GRACE_BYTES and inflated > MAX_INFLATE_RATIO * compressed
+    )
+
+
 def inflation_for(encoding: str) -> Inflation | None:
     """The inflater of a body with this ``Content-Encoding`` (None: not encoded); 415 for one Triton cannot read."""
     if encoding not in ENCODINGS:
@@ -309,16 +322,8 @@ class Inflation:
         return bytes(kept)
 
     def _bound(self) -> None:
-        inflated = self._inflated
-        if inflated > MAX_INFLATED_BYTES or (
-            inflated > INFLATE_GRACE_BYTES and inflated > MAX_INFLATE_RATIO * self._compressed
-        ):
-            raise BodyRefused(
-                413,
-                f"the compressed body inflates to more than {MAX_INFLATE_RATIO} times its size (or to 2 GiB), "
-                "which the shared inference server would hold whole in memory; send it uncompressed",
-                "too_large",
-            )
+        if inflates_too_far(self._inflated, self._compressed):
+            raise BodyRefused(413, f"the compressed body {INFLATES_TOO_FAR}", "too_large")
 
 
 class RequestBody:
