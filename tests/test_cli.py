@@ -68,6 +68,14 @@ def test_a_triton_grpc_address_that_is_not_host_port_is_a_usage_error(address: s
     assert result.exit_code == 2 and "is not HOST:PORT" in result.output, result.output
 
 
+@pytest.mark.parametrize("where", ["option", "variable"])
+def test_a_negative_max_body_bytes_is_a_usage_error(where: str) -> None:
+    args = ["proxy", "--name", "m", *(["--max-body-bytes", "-1"] if where == "option" else [])]
+    result = CliRunner().invoke(main, args, env={"TRITONSHARE_MAX_BODY_BYTES": "-1"} if where == "variable" else {})
+    assert result.exit_code == ExitCode.USAGE, result.output
+    assert "Invalid value for '--max-body-bytes'" in result.output and "-1 is not in the range x>=0" in result.output
+
+
 @pytest.mark.parametrize(("source", "said"), [("", "empty"), ("s3:/bucket/x", "did you mean s3://bucket/x?")])
 def test_a_source_that_cannot_be_meant_exits_2_before_triton_is_waited_for(
     source: str, said: str, tmp_path: Path

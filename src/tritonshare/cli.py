@@ -317,6 +317,13 @@ def unload(
     help="Largest JSON part of an infer request (it is held in memory to be checked); larger → 413.",
 )
 @option(
+    "--max-body-bytes",
+    type=click.IntRange(min=0),
+    default=1 << 30,
+    help="Largest REST request body, inflated size if compressed (the shared Triton holds a body whole in "
+    "memory); larger → 413, refused from its Content-Length before Triton sees it. 0 = no limit.",
+)
+@option(
     "--strip-header",
     "strip_headers",
     multiple=True,

@@ -28,6 +28,7 @@ from tritonshare.proxy.policy import GRPC_RULES, GRPC_SERVICE, Verdict
 pytestmark = pytest.mark.triton
 
 BIG = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+INFER = f"/{GRPC_SERVICE}/ModelInfer"
 
 
 @pytest.fixture
@@ -157,6 +158,41 @@ def test_compressed_infer_is_inspected_and_forwarded(
         client.infer(served_models.other, [identity_input(data)], compression_algorithm=algorithm)
     assert status_of(info.value) == "StatusCode.NOT_FOUND"
     assert inference_count(triton, served_models.other) == before
+
+
+def test_a_compressed_message_that_inflates_too_far_is_refused_before_triton_inflates_it(
+    channel: grpc.Channel, proxy: ProxyProcess, served_models: ServedModels, triton: TritonServer
+) -> None:
+    # Triton's gRPC server inflates a message whole into memory before checking its size (2 GiB - 1): 1 GiB of
+    # zeros in 1 MB of gzip took its RSS up 2.3 GB, 1.3 GB of it kept after Triton refused the request.
+    request = infer_request(served_models.own, np.zeros(1, dtype=np.float32))
+    request.raw_input_contents[0] = bytes(256 << 20)  # gzip (grpcio's) takes it to ~256 KiB
+    before = triton.rss_mib()
+    code, details = raw_status_compressed(channel, request.SerializeToString())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert "inflates to more than 100 times its size" in details and "send it uncompressed" in details
+    assert triton.rss_mib() - before < 64  # Triton dropped the part it had, never inflated the rest
+    assert refusals(proxy, "ModelInfer", "too_large") >= 1
+    data = np.arange(4, dtype=np.float32)  # the connection and Triton go on serving
+    assert raw_call(channel, INFER, infer_request(served_models.own, data).SerializeToString())
+
+
+def raw_status_compressed(ch: grpc.Channel, request: bytes) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        ch.unary_unary(INFER)(request, timeout=60, compression=grpc.Compression.Gzip)
+    error: grpc.Call = info.value  # type: ignore[assignment]
+    return error.code(), error.details() or ""
+
+
+def refusals(proxy: ProxyProcess, route: str, reason: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{proxy.metrics_port}/metrics", timeout=5) as response:
+        families = text_string_to_metric_families(response.read().decode())
+    return sum(
+        s.value
+        for family in families
+        for s in family.samples
+        if s.name == "tritonshare_proxy_refusals_total" and (s.labels["route"], s.labels["reason"]) == (route, reason)
+    )
 
 
 def test_tritons_own_errors_pass_through_and_are_counted_by_status(

@@ -7,6 +7,7 @@ chunks at every possible place: the verdict must not depend on where frames spli
 from __future__ import annotations
 
 import gzip
+import random
 import struct
 import zlib
 
@@ -191,6 +192,45 @@ def test_a_compressed_request_with_many_inputs_is_walked_whole() -> None:
     assert inspect(message, 10, len(message) // 2, encoding=b"gzip") is None
     other = framed(gzip.compress(infer("other").SerializeToString()), compressed=True)
     assert inspect(other, encoding=b"gzip") is not None  # walked to its end, as before
+
+
+def _gzip_stream(*parts: bytes) -> bytes:
+    stream = zlib.compressobj(6, zlib.DEFLATED, 31)
+    return b"".join(stream.compress(part) for part in parts) + stream.flush()
+
+
+def _contents_head(size: int) -> bytes:
+    """The tag and length of a raw_input_contents field (7) of ``size`` bytes."""
+    length = bytearray()
+    while size >= 0x80:
+        length.append(size & 0x7F | 0x80)
+        size >>= 7
+    return b"\x3a" + bytes([*length, size])
+
+
+def test_a_compressed_message_that_inflates_too_far_is_refused_before_it_ends() -> None:
+    # Triton's gRPC server inflates a message whole before checking its size: 1 MB of gzip took it up 2.3 GB.
+    own = infer().SerializeToString()
+    packed = _gzip_stream(own, _contents_head(256 << 20), *[bytes(1 << 20)] * 256)  # 256 MiB in ~256 KiB
+    message = framed(packed, compressed=True)
+    inspector = MessageInspector(MessageJudge(INFER, OWN, limit=1 << 20), encoding=b"gzip")
+    fed, refusal = 0, None
+    while refusal is None and fed < len(message):
+        refusal = inspector.feed(message, fed, min(fed + 16384, len(message)))  # DATA frames of 16 KiB
+        fed += 16384
+    assert refusal is not None and refusal.status == GRPC_RESOURCE_EXHAUSTED and refusal.reason == "too_large"
+    assert "inflates to more than 100 times its size" in refusal.message and "send it uncompressed" in refusal.message
+    assert fed < 64 << 10  # refused once the first MiB of zeros inflated, long before the end reached Triton
+
+
+def test_a_compressed_message_within_the_inflate_bound_passes() -> None:
+    noise = random.Random(0)
+    tensor = b"".join(noise.randbytes(2048) + bytes(30720) for _ in range(128))  # 4 MiB, inflating ~15x
+    request = infer()
+    request.raw_input_contents[0] = tensor
+    message = framed(_gzip_stream(request.SerializeToString()), compressed=True)
+    assert inspect(message, encoding=b"gzip") is None
+    assert inspect(message, 100, len(message) // 2, encoding=b"gzip") is None
 
 
 def test_compression_the_proxy_cannot_read_is_unimplemented() -> None:

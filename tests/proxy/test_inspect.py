@@ -241,6 +241,46 @@ def test_a_compressed_body_within_the_inflate_bound_streams_whole() -> None:
     assert _body_out(body) == wire and gzip.decompress(wire) == header + tensor
 
 
+def _chunks(payload: bytes, size: int = 1000) -> bytes:
+    pieces = [payload[i : i + size] for i in range(0, len(payload), size)]
+    return b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("size", [8192, 8193], ids=["at-the-limit", "one-byte-over"])
+def test_a_chunked_body_is_counted_against_max_body_bytes(size: int) -> None:
+    wire = _chunks(bytes(size))
+    body = RequestBody(0, True, max_bytes=8192)
+    assert body.feed(wire) == len(wire)
+    if size == 8192:
+        assert body.refusal is None and b"".join(bytes(p) for p in body.take()) == wire
+    else:
+        assert body.refusal is not None and body.refusal.status == 413
+        assert (
+            body.refusal.message == "the request body is larger than the proxy's limit of 8192 bytes (--max-body-bytes)"
+        )
+
+
+@pytest.mark.parametrize("with_json", [True, False], ids=["binary-extension", "raw-binary"])
+def test_a_compressed_body_is_held_to_max_body_bytes_inflated(with_json: bool) -> None:
+    header = json.dumps(CLEAN).encode() if with_json else b""
+    noise = random.Random(0)
+    tensor = b"".join(noise.randbytes(1024) + bytes(3072) for _ in range(64))  # 256 KiB, inflating ~4x: in bound
+    wire = _gzip(header, tensor)
+    inflated = len(header) + len(tensor)
+    for limit, refused in ((inflated, False), (inflated - 1, True)):
+        if with_json:
+            check = InferBodyCheck(
+                encoding="gzip", json_length=len(header), max_json_bytes=1 << 20, max_body_bytes=limit
+            )
+            body = RequestBody(len(wire), False, check)
+        else:
+            body = RequestBody(len(wire), False, None, inflation_for("gzip", limit))
+        assert body.feed(wire) == len(wire)
+        assert (body.refusal is not None) == refused
+        if body.refusal is not None:
+            assert body.refusal.status == 413 and "--max-body-bytes" in body.refusal.message
+
+
 def test_request_body_holds_until_the_check_passes_then_rechunks() -> None:
     doc = json.dumps(CLEAN).encode()
     wire = b"".join(b"%x;e=1\r\n%s\r\n" % (len(p), p) for p in (doc[:10], doc[10:])) + b"0\r\nX-T: 1\r\n\r\nNEXT"

@@ -461,11 +461,6 @@ def test_a_registered_region_that_works_directly_is_refused_through_the_proxy(
         shm.destroy_shared_memory_region(handle)
 
 
-def _vm_rss_mib(pid: int) -> int:
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-    return int(fields["VmRSS"].split()[0]) // 1024
-
-
 @pytest.mark.parametrize("json_header", [True, False], ids=["binary-extension", "raw-binary"])
 def test_a_gzip_bomb_is_refused_before_triton_inflates_it(
     port: int, own: str, triton: TritonServer, json_header: bool
@@ -482,13 +477,12 @@ def test_a_gzip_bomb_is_refused_before_triton_inflates_it(
         f"POST /v2/models/{own}/infer HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
         f"Inference-Header-Content-Length: {len(header)}\r\nContent-Length: {len(body)}\r\n\r\n"
     ).encode()
-    assert triton.process is not None
-    before = _vm_rss_mib(triton.process.pid)
+    before = triton.rss_mib()
     with Raw(port) as raw:
         status, headers, answer = raw.send(head + body).response()
         assert status == 413 and "inflates to more than 100 times its size" in error_of(answer), answer
         assert headers["connection"] == "close" and raw.closed_by_peer()
-    assert _vm_rss_mib(triton.process.pid) - before < 64  # Triton dropped the part it had, never inflated the rest
+    assert triton.rss_mib() - before < 64  # Triton dropped the part it had, never inflated the rest
     assert request(port, "POST", f"/v2/models/{own}/infer", infer_body([1.0]))[0] == 200
 
 

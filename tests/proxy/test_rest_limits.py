@@ -1,6 +1,7 @@
 """Limits of the REST front end against the real Triton: a request body that stops coming is timed out and gives
 back its admission slot; a header Triton would not take is refused here (431), not forwarded into a 502;
-an upload the proxy still holds for its check when SIGTERM comes is completed, not cut."""
+an upload the proxy still holds for its check when SIGTERM comes is completed, not cut; a body over
+``--max-body-bytes`` never reaches Triton whole."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import json
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from tests.proxy.conftest import ServedModels
 from tests.proxy.test_rest import LocalRest, Raw, error_of, infer_body, request
+from tests.proxy.wire import TcpPipe
+from tests.support.ports import free_port
 from tests.support.proxy import ProxyProcess
 from tests.support.triton import TritonServer
 from tritonshare.proxy.http1 import MAX_FIELD_BYTES
@@ -118,3 +121,120 @@ def test_an_upload_held_for_its_check_at_sigterm_is_completed(
         assert headers["connection"] == "close"
     assert proxy.terminate(15) == 0
     assert "drained: no request in flight" in proxy.log_text()
+
+
+# ---------------------------------------------------------------------------------------------- --max-body-bytes
+
+LIMIT = 4096  # --max-body-bytes of these tests
+
+
+def _padded(body: bytes, size: int) -> bytes:
+    """``body`` (JSON) padded with spaces to ``size`` bytes: what Triton reads is the same."""
+    return body + b" " * (size - len(body))
+
+
+def _refusals(local: LocalRest, reason: str) -> float:
+    labels = {"model": local.settings.name, "protocol": "rest", "route": "infer", "reason": reason}
+    return local.state.metrics.registry.get_sample_value("tritonshare_proxy_refusals_total", labels) or 0.0
+
+
+@pytest.fixture
+def limited(triton: TritonServer, served_models: ServedModels) -> Iterator[tuple[LocalRest, TcpPipe]]:
+    """The REST front end with ``--max-body-bytes`` LIMIT, Triton behind a pipe recording what reaches it."""
+    pipe = TcpPipe(free_port(), ("127.0.0.1", triton.http_port), record=True)
+    url = f"http://127.0.0.1:{pipe.listener.getsockname()[1]}"
+    settings = ProxySettings(
+        name=served_models.own, triton_url=url, host="127.0.0.1", http_port=0, max_body_bytes=LIMIT
+    )
+    try:
+        with LocalRest(settings) as local:
+            yield local, pipe
+    finally:
+        pipe.close()
+
+
+def test_a_content_length_over_max_body_bytes_is_413_from_the_head(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
+) -> None:
+    """Triton reads a whole body into memory before it looks at it: a body over the limit is refused from its
+    Content-Length, before a byte of it is read (none is sent here), and the connection closes."""
+    own = served_models.own
+    proxy = start_proxy(own, "--no-unload", "--max-body-bytes", str(LIMIT))
+    with Raw(proxy.http_port) as raw:
+        status, headers, answer = raw.send(_infer_head(own, LIMIT + 1)).response()
+        assert status == 413 and headers["connection"] == "close"
+        assert (
+            error_of(answer) == f"the request body is larger than the proxy's limit of {LIMIT} bytes (--max-body-bytes)"
+        )
+        assert raw.closed_by_peer()
+    at_limit = _padded(infer_body([1.0]), LIMIT)
+    status, answer = request(proxy.http_port, "POST", f"/v2/models/{own}/infer", at_limit)
+    assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [1.0]
+
+
+def test_a_body_over_max_body_bytes_never_reaches_triton(
+    limited: tuple[LocalRest, TcpPipe], served_models: ServedModels
+) -> None:
+    local, pipe = limited
+    own = served_models.own
+    with Raw(local.port) as raw:
+        status, _, _ = raw.send(_infer_head(own, LIMIT + 1) + _padded(infer_body([1.0]), LIMIT + 1)).response()
+        assert status == 413 and raw.closed_by_peer()
+    assert b"/infer" not in b"".join(pipe.sent)
+    assert _refusals(local, "too_large") == 1
+
+
+def _chunked(own: str, body: bytes, *, binary_header: int | None = None) -> bytes:
+    extension = f"Inference-Header-Content-Length: {binary_header}\r\n" if binary_header is not None else ""
+    head = f"POST /v2/models/{own}/infer HTTP/1.1\r\nHost: x\r\n{extension}Transfer-Encoding: chunked\r\n\r\n"
+    chunks = b"".join(
+        b"%x\r\n%s\r\n" % (len(body[i : i + 1000]), body[i : i + 1000]) for i in range(0, len(body), 1000)
+    )
+    return head.encode() + chunks + b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["held-for-the-check", "streaming-to-triton"])
+def test_a_chunked_body_over_max_body_bytes_is_refused_and_triton_loses_its_part(
+    limited: tuple[LocalRest, TcpPipe], served_models: ServedModels, streamed: bool
+) -> None:
+    """A chunked body has no length to judge: it is counted as it passes. Past the limit: 413, the client's
+    connection closed, and Triton's too when it had part of the body (it drops the partial request)."""
+    local, pipe = limited
+    own = served_models.own
+    header = infer_body([1.0]) if streamed else b""
+    body = header + bytes(LIMIT + 1 - len(header)) if streamed else _padded(infer_body([1.0]), LIMIT + 1)
+    wire = _chunked(own, body, binary_header=len(header) if streamed else None)
+    with Raw(local.port) as raw:
+        raw.send(wire[:2000])  # Triton gets the head and the first chunks (when streamed) before the rest comes
+        time.sleep(0.3)
+        status, headers, answer = raw.send(wire[2000:]).response()
+        assert status == 413 and headers["connection"] == "close" and "--max-body-bytes" in error_of(answer)
+        assert raw.closed_by_peer()
+    forwarded = b"".join(pipe.sent)
+    if not streamed:  # held for its check, refused before any of it went on: Triton's connection stays in the pool
+        assert forwarded == b""
+    else:
+        assert b"/infer" in forwarded and len(forwarded) < LIMIT + 1024
+        deadline = time.monotonic() + 5
+        while pipe.open and time.monotonic() < deadline:  # Triton's connection, with its partial request, closes
+            time.sleep(0.05)
+        assert pipe.open == 0
+    assert _refusals(local, "too_large") == 1
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["held-for-the-check", "streaming-to-triton"])
+def test_a_chunked_body_of_exactly_max_body_bytes_passes(
+    limited: tuple[LocalRest, TcpPipe], served_models: ServedModels, streamed: bool
+) -> None:
+    local, _ = limited
+    own = served_models.own
+    if streamed:  # the binary-tensor extension: the JSON part, then INPUT0's 4 bytes (2.0, little-endian FP32)
+        tensor = {"name": "INPUT0", "shape": [1], "datatype": "FP32", "parameters": {"binary_data_size": 4}}
+        header = _padded(json.dumps({"inputs": [tensor]}).encode(), LIMIT - 4)
+        body = header + b"\x00\x00\x00\x40"
+    else:
+        body = _padded(infer_body([2.0]), LIMIT)
+    with Raw(local.port) as raw:
+        status, _, answer = raw.send(_chunked(own, body, binary_header=len(header) if streamed else None)).response()
+        assert status == 200, answer
+        assert json.loads(answer)["outputs"][0]["data"] == [2.0]

@@ -25,6 +25,7 @@ class TcpPipe:
         self.target = target
         self.record = record
         self.sent: list[bytearray] = []  # per connection: bytes from the proxy to the target
+        self.open = 0  # connections to the target not yet closed both ways
         self.listener = socket.create_server(("127.0.0.1", port))
         self.threads: list[threading.Thread] = []
         self.sockets: list[socket.socket] = []
@@ -52,12 +53,15 @@ class TcpPipe:
             with self._lock:
                 self.sockets += [conn, upstream]
                 self.sent.append(record)
+                self.open += 1
             pumps = [
                 self._start(_pump, conn, upstream, record if self.record else None),
                 self._start(_pump, upstream, conn, None),
             ]
             for pump in pumps:
                 pump.join()
+            with self._lock:
+                self.open -= 1
 
     def cut(self) -> None:
         with self._lock:

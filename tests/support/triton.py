@@ -134,3 +134,9 @@ class TritonServer:
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def rss_mib(self) -> int:
+        """Triton's resident memory now (VmRSS), in MiB."""
+        assert self.process is not None
+        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        return int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1]) // 1024

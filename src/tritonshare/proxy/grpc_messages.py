@@ -7,8 +7,12 @@ request stream: a message that lies whole in one frame is walked in one go by it
 :class:`~tritonshare.proxy.protobuf.MessageWalker`; one split across frames, or compressed (grpc-encoding gzip
 or deflate: decompressed in bounded steps), by a :class:`~tritonshare.proxy.protobuf.FieldWalker` fed piece by
 piece. Each message is judged as it completes: the own model's name (field 1, the last one), and for infer
-requests no shared-memory parameter. Anything that cannot be followed — malformed protobuf, a compressed
-message in an encoding the proxy cannot read — is refused: never "allow" on a message not understood.
+requests no shared-memory parameter. A compressed message is refused (RESOURCE_EXHAUSTED) as soon as it inflates
+too far (:func:`~tritonshare.proxy.inspect.inflates_too_far`, REST's bound on a compressed body): Triton's gRPC
+server inflates a message whole into memory before it checks its size against its own limit (2 GiB - 1), so
+1 GiB of zeros in 1 MB of gzip took Triton's RSS up 2.3 GB, 1.3 GB of it kept (as much through the proxy, which
+walked it and passed it on, before this bound). Anything that cannot be followed — malformed protobuf, a
+compressed message in an encoding the proxy cannot read — is refused: never "allow" on a message not understood.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from tritonshare.proxy.inspect import INFLATES_TOO_FAR, inflates_too_far
 from tritonshare.proxy.policy import (
     GRPC_INVALID_ARGUMENT,
     GRPC_NOT_FOUND,
@@ -122,6 +127,8 @@ class MessageInspector:
         "_left",
         "_walker",
         "_inflater",
+        "_compressed",
+        "_inflated",
         "_refusal",
         "messages",
         "first_end",
@@ -135,6 +142,7 @@ class MessageInspector:
         self._left = 0  # body bytes of the current message still to come
         self._walker: FieldWalker | None = None
         self._inflater: zlib._Decompress | None = None
+        self._compressed = self._inflated = 0  # bytes of the current compressed message, as read and inflated
         self._refusal: Refusal | None = None
         self.messages = 0  # messages judged and accepted so far
         # Where the first accepted message ended, in the buffer of the feed() call that completed it (the
@@ -181,7 +189,9 @@ class MessageInspector:
                     return -1
             return pos
         take = min(self._left, end - pos)
-        self._feed_body(buf, pos, pos + take)
+        self._refusal = self._feed_body(buf, pos, pos + take)
+        if self._refusal is not None:
+            return -1
         pos += take
         self._left -= take
         if not self._left:
@@ -207,22 +217,31 @@ class MessageInspector:
                     "compression",
                 )
             self._inflater = zlib.decompressobj(wbits)
+            self._compressed = self._inflated = 0
         fields = COMPRESSED_FIELDS if self._inflater is not None else -1  # see protobuf.COMPRESSED_FIELDS
         self._walker = FieldWalker(inspect=self._judge.rule.inspect, limit=self._judge.limit, fields=fields)
         self._left = length
         return self._end_message(pos) if length == 0 else None
 
-    def _feed_body(self, buf: bytes, start: int, end: int) -> None:
-        assert self._walker is not None
-        if self._inflater is None:
-            self._walker.feed(buf, start, end)
-            return
+    def _feed_body(self, buf: bytes, start: int, end: int) -> Refusal | None:
+        """Walk bytes of a message's body (inflated first if compressed); the refusal of one that inflates too far."""
+        walker, inflater = self._walker, self._inflater
+        assert walker is not None
+        if inflater is None:
+            walker.feed(buf, start, end)
+            return None
         chunk = buf[start:end]
-        self._walker.fields_left += FIELDS_PER_COMPRESSED_BYTE * len(chunk)
-        while chunk:
-            out = self._inflater.decompress(chunk, _DECOMPRESS_STEP)
-            self._walker.feed(out, 0, len(out))
-            chunk = self._inflater.unconsumed_tail
+        walker.fields_left += FIELDS_PER_COMPRESSED_BYTE * len(chunk)
+        while True:
+            out = inflater.decompress(chunk, _DECOMPRESS_STEP)
+            self._compressed += len(chunk) - len(inflater.unconsumed_tail)
+            self._inflated += len(out)
+            if inflates_too_far(self._inflated, self._compressed):
+                return Refusal(GRPC_RESOURCE_EXHAUSTED, f"the compressed message {INFLATES_TOO_FAR}", "too_large")
+            walker.feed(out, 0, len(out))
+            chunk = inflater.unconsumed_tail
+            if not chunk and len(out) < _DECOMPRESS_STEP:  # all read, and no output left pending
+                return None
 
     def _end_message(self, pos: int) -> Refusal | None:
         walker, self._walker = self._walker, None

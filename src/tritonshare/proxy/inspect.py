@@ -47,6 +47,12 @@ _HELD_SLACK = 1 << 20  # encoded bytes held beyond max_json_bytes before the JSO
 MAX_INFLATE_RATIO = 100
 INFLATE_GRACE_BYTES = 1 << 20
 MAX_INFLATED_BYTES = (2 << 30) - 1
+# What a refusal says after "the compressed body" (REST) or "the compressed message" (gRPC, which Triton inflates
+# whole in memory too: grpc_messages).
+INFLATES_TOO_FAR = (
+    f"inflates to more than {MAX_INFLATE_RATIO} times its size (or to 2 GiB), which the shared inference server "
+    "would hold whole in memory; send it uncompressed"
+)
 _INFLATE_STEP = 1 << 20  # inflated bytes produced at a time (then dropped): the proxy's memory per step
 
 
@@ -210,8 +216,8 @@ class InferBodyCheck:
     payload. Both raise :class:`BodyRefused`.
     """
 
-    def __init__(self, *, encoding: str, json_length: int | None, max_json_bytes: int) -> None:
-        self.inflation = inflation_for(encoding)  # RequestBody goes on with it past the JSON part
+    def __init__(self, *, encoding: str, json_length: int | None, max_json_bytes: int, max_body_bytes: int = 0) -> None:
+        self.inflation = inflation_for(encoding, max_body_bytes)  # RequestBody goes on with it past the JSON part
         if json_length is not None and json_length > max_json_bytes:
             raise BodyRefused(413, _too_large(max_json_bytes), "too_large")
         self._wanted = json_length  # None: the whole (decoded) body is JSON
@@ -260,28 +266,38 @@ class InferBodyCheck:
         self._held.append(payload)
 
 
-def inflation_for(encoding: str) -> Inflation | None:
-    """The inflater of a body with this ``Content-Encoding`` (None: not encoded); 415 for one Triton cannot read."""
+def inflates_too_far(inflated: int, compressed: int) -> bool:
+    """Has a stream that took ``compressed`` bytes inflated past its bound (:data:`MAX_INFLATE_RATIO`)?"""
+    return inflated > MAX_INFLATED_BYTES or (
+        inflated > INFLATE_GRACE_BYTES and inflated > MAX_INFLATE_RATIO * compressed
+    )
+
+
+def inflation_for(encoding: str, max_body_bytes: int = 0) -> Inflation | None:
+    """The inflater of a body with this ``Content-Encoding`` (None: not encoded), refusing one that inflates past
+    ``max_body_bytes`` (0: no limit) too; 415 for one Triton cannot read."""
     if encoding not in ENCODINGS:
         raise BodyRefused(
             415, f"Content-Encoding {encoding!r} is not supported: use gzip, deflate or identity", "encoding"
         )
     wbits = ENCODINGS[encoding]
-    return None if wbits is None else Inflation(wbits)
+    return None if wbits is None else Inflation(wbits, max_body_bytes)
 
 
 class Inflation:
     """Inflates a compressed body as it passes, as Triton will: its beginning is handed back (the JSON part to
     check), the rest counted and dropped, in steps of at most :data:`_INFLATE_STEP` bytes. Raises
-    :class:`BodyRefused` when the body inflates past its bound (:data:`MAX_INFLATE_RATIO`), is not a
-    gzip/zlib stream, or has data after the end of its stream (Triton stops there: it could be read two ways)."""
+    :class:`BodyRefused` when the body inflates past its bound (:data:`MAX_INFLATE_RATIO`) or past ``limit``
+    (``--max-body-bytes``; 0: none), is not a gzip/zlib stream, or has data after the end of its stream (Triton
+    stops there: it could be read two ways)."""
 
-    __slots__ = ("_inflate", "_compressed", "_inflated")
+    __slots__ = ("_inflate", "_compressed", "_inflated", "_limit")
 
-    def __init__(self, wbits: int) -> None:
+    def __init__(self, wbits: int, limit: int = 0) -> None:
         self._inflate = zlib.decompressobj(wbits)
         self._compressed = 0
         self._inflated = 0
+        self._limit = limit
 
     @property
     def eof(self) -> bool:
@@ -309,16 +325,10 @@ class Inflation:
         return bytes(kept)
 
     def _bound(self) -> None:
-        inflated = self._inflated
-        if inflated > MAX_INFLATED_BYTES or (
-            inflated > INFLATE_GRACE_BYTES and inflated > MAX_INFLATE_RATIO * self._compressed
-        ):
-            raise BodyRefused(
-                413,
-                f"the compressed body inflates to more than {MAX_INFLATE_RATIO} times its size (or to 2 GiB), "
-                "which the shared inference server would hold whole in memory; send it uncompressed",
-                "too_large",
-            )
+        if inflates_too_far(self._inflated, self._compressed):
+            raise BodyRefused(413, f"the compressed body {INFLATES_TOO_FAR}", "too_large")
+        if self._limit and self._inflated > self._limit:
+            raise BodyRefused(413, body_too_large(self._limit), "too_large")
 
 
 class RequestBody:
@@ -330,17 +340,26 @@ class RequestBody:
     may go to Triton now is collected by :meth:`take`. ``ready`` turns True when the check passes (the head
     goes first); ``refusal`` is set if it fails, and from then on, as after :meth:`drop`, the rest of the body
     is read and dropped. A compressed body is inflated to its end (``inflation``: the check's, else the one
-    given), so one that inflates too far is refused even after its JSON part passed. Malformed chunked framing
-    raises :class:`~tritonshare.proxy.http1.HttpError`.
+    given), so one that inflates too far is refused even after its JSON part passed. A chunked body carrying
+    more than ``max_bytes`` (``--max-body-bytes``; 0: no limit; a Content-Length is judged with the head) is
+    refused as it passes. Malformed chunked framing raises :class:`~tritonshare.proxy.http1.HttpError`.
     """
 
-    __slots__ = ("left", "chunks", "check", "inflation", "ready", "refusal", "dropping", "_out")
+    __slots__ = ("left", "chunks", "max_bytes", "carried", "check", "inflation", "ready", "refusal", "dropping", "_out")
 
     def __init__(
-        self, length: int, chunked: bool, check: InferBodyCheck | None = None, inflation: Inflation | None = None
+        self,
+        length: int,
+        chunked: bool,
+        check: InferBodyCheck | None = None,
+        inflation: Inflation | None = None,
+        *,
+        max_bytes: int = 0,
     ) -> None:
         self.left = length
         self.chunks = ChunkedReader(400) if chunked else None
+        self.max_bytes = max_bytes if chunked else 0
+        self.carried = 0  # payload bytes of a chunked body so far (counted only under max_bytes)
         self.check = check
         self.inflation = check.inflation if check is not None else inflation
         self.ready = check is None
@@ -360,6 +379,8 @@ class RequestBody:
             payload: list[memoryview] = []
             end = self.chunks.feed(data, 0, payload)
             for piece in payload:
+                if self.max_bytes:
+                    self._carry(len(piece))
                 self._payload(piece)
         else:
             end = min(self.left, len(data))
@@ -394,6 +415,11 @@ class RequestBody:
         if held is not None:
             self._pass(held)
 
+    def _carry(self, size: int) -> None:
+        self.carried += size
+        if self.carried > self.max_bytes and not self.dropping:
+            self._refuse(BodyRefused(413, body_too_large(self.max_bytes), "too_large"))
+
     def _end(self) -> None:
         if self.check is not None and not self.dropping:
             try:
@@ -425,6 +451,10 @@ class RequestBody:
 def _short(json_length: int, body_length: int) -> BodyRefused:
     message = f"Inference-Header-Content-Length {json_length} is more than the body's {body_length} bytes"
     return BodyRefused(400, message, "bad_request")
+
+
+def body_too_large(limit: int) -> str:
+    return f"the request body is larger than the proxy's limit of {limit} bytes (--max-body-bytes)"
 
 
 def _too_large(limit: int) -> str:

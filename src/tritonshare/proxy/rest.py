@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from tritonshare.common.errors import cannot_listen
 from tritonshare.proxy import admission, auth
 from tritonshare.proxy.http1 import RequestHead, error_response, parse_request_head, upstream_head
+from tritonshare.proxy.inspect import body_too_large
 from tritonshare.proxy.metrics import RouteMeter
 from tritonshare.proxy.overload import Closed, TurnedAway, has_room, over_cap_message
 from tritonshare.proxy.policy import RestDecision, Verdict, judge_rest
@@ -65,6 +66,7 @@ class HeadRules:
     strip: frozenset[bytes]  # header names never forwarded (lower case)
     host: bytes  # Host for a request without one
     max_json_bytes: int
+    max_body_bytes: int  # 0: no limit
     authenticating: bool  # --auth-token-file is set
     admitting: bool  # admission control is on
     rate_limiting: bool  # --rate-limit-rps is set: metadata routes take a token too
@@ -102,7 +104,8 @@ def judge_head(
     forwarding it needs, with the route's meter from ``meter_of``. ``decisions`` memoises the policy's verdicts
     by method and target (heads that differ only in other headers, such as a request id a mesh adds, then skip
     the policy's path parsing). ``probes``: what the verdicts the proxy answers itself (READY, LIVE) are answered
-    from; without them those requests are forwarded."""
+    from; without them those requests are forwarded. A Content-Length over ``rules.max_body_bytes`` is judged a
+    413 (Triton would hold the body whole): never quick, never forwarded."""
     head = parse_request_head(raw, rules.strip)
     key = (head.method, head.target)
     decision = decisions.get(key) if decisions is not None else None
@@ -116,6 +119,8 @@ def judge_head(
     limited, open_ = route in admission.LIMITED_ROUTES, route in auth.OPEN_REST_ROUTES
     metered = route in admission.METADATA_ROUTES
     meter = meter_of(route)
+    if not decision.status and rules.max_body_bytes and length > rules.max_body_bytes:
+        decision = RestDecision(413, route, body_too_large(rules.max_body_bytes))
     if decision.status:
         return Judged(
             head, decision, route, b"", False, None, False, limited, metered, open_, False, length, meter, False, None
@@ -167,6 +172,7 @@ class RestFrontend:
             strip=frozenset(strip),
             host=url.netloc.encode(),
             max_json_bytes=settings.max_json_bytes,
+            max_body_bytes=settings.max_body_bytes,
             authenticating=state.auth is not None,
             admitting=state.admission.active,
             rate_limiting=state.admission.rate_limited,

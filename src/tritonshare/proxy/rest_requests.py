@@ -45,7 +45,7 @@ _EMPTY_LINES = re.compile(rb"(?:\r\n)*")
 # request waiting for the current response, a request waiting for an admission slot, the client not reading.
 BACKLOG, ADMISSION, CLIENT_FULL = 4, 8, 16
 
-_REFUSAL_REASONS = {400: "bad_request", 403: "denied", 404: "not_found", 405: "method"}
+_REFUSAL_REASONS = {400: "bad_request", 403: "denied", 404: "not_found", 405: "method", 413: "too_large"}
 _PROBE_OK = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 0\r\n\r\n"  # as Triton answers
 _PROBE_OK_CLOSE = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 UNAVAILABLE = "the inference server is unavailable; retry later"
@@ -136,8 +136,9 @@ class RequestPath:
         elif tokens is not None and not judged.open and not tokens.check_http(judged.head.authorization):
             self._refuse(ex, auth.HTTP_STATUS, auth.MESSAGE, "unauthenticated", headers=_CHALLENGE)
         elif judged.decision.status:
-            status = judged.decision.status
-            self._refuse(ex, status, judged.decision.message, _REFUSAL_REASONS.get(status, "denied"))
+            status = judged.decision.status  # 413: a body over --max-body-bytes, not read (the connection closes)
+            reason = _REFUSAL_REASONS.get(status, "denied")
+            self._refuse(ex, status, judged.decision.message, reason, close=status == 413)
         else:
             self.drain_grace = False
             if not judged.head.keep_alive:
@@ -216,6 +217,7 @@ class RequestPath:
         judged, head = ex.judged, ex.judged.head
         self._upstream()  # connect while the body arrives
         check = inflation = None
+        max_body_bytes = self.fe.rules.max_body_bytes
         if judged.inspect:
             try:
                 if judged.json_length != 0:
@@ -223,16 +225,17 @@ class RequestPath:
                         encoding=head.content_encoding,
                         json_length=judged.json_length,
                         max_json_bytes=self.fe.rules.max_json_bytes,
+                        max_body_bytes=max_body_bytes,
                     )
                 else:  # a raw binary body: nothing to check but how far it inflates (Triton inflates it too)
-                    inflation = inflation_for(head.content_encoding)
+                    inflation = inflation_for(head.content_encoding, max_body_bytes)
             except BodyRefused as exc:
                 self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
                 return rest
         if check is not None:
             ex.held = True  # not in flight until the check passes, but a drain waits for it
             self.state.held += 1
-        ex.body = RequestBody(judged.length, head.chunked, check, inflation)
+        ex.body = RequestBody(judged.length, head.chunked, check, inflation, max_bytes=max_body_bytes)
         if head.expect_continue:
             self._write(CONTINUE)
         if check is None:
@@ -253,7 +256,8 @@ class RequestPath:
             return b""
         refusal = body.refusal
         if refusal is not None and not ex.response_done:
-            if ex.forwarded:  # Triton has part of it (a body that inflates too far): it loses that connection
+            if ex.forwarded:  # Triton has part of it (a body too large, or inflating too far): it loses that connection
+                self.state.metrics.refused(PROTOCOL, ex.judged.route, refusal.reason)
                 self._give_up(ex, refusal.status, None if self._answered(ex) else refusal.message, refusal.reason)
             else:
                 self._refuse(ex, refusal.status, refusal.message, refusal.reason, close=refusal.status == 413)
