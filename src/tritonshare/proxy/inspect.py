@@ -216,15 +216,33 @@ class InferBodyCheck:
     payload. Both raise :class:`BodyRefused`.
     """
 
-    def __init__(self, *, encoding: str, json_length: int | None, max_json_bytes: int, max_body_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        encoding: str,
+        json_length: int | None,
+        max_json_bytes: int,
+        max_body_bytes: int = 0,
+        content_length: int | None = None,
+    ) -> None:
+        """``content_length``: the body's, None when chunked."""
         self.inflation = inflation_for(encoding, max_body_bytes)  # RequestBody goes on with it past the JSON part
-        if json_length is not None and json_length > max_json_bytes:
+        # The JSON part's length, when the head tells it: Inference-Header-Content-Length (of the decoded body),
+        # or the Content-Length of a plain body that is all JSON; None: known only as it arrives.
+        self.declared = json_length if json_length is not None or self.inflation is not None else content_length
+        if self.declared is not None and self.declared > max_json_bytes:
             raise BodyRefused(413, _too_large(max_json_bytes), "too_large")
         self._wanted = json_length  # None: the whole (decoded) body is JSON
         self._limit = max_json_bytes
         self._json = bytearray()
         self._held: list[bytes | memoryview] = []
         self._held_bytes = 0
+
+    @property
+    def holding(self) -> int:
+        """Bytes held now, as the held-bytes budget counts them (:mod:`tritonshare.proxy.held`): the JSON part
+        read so far, or the encoded bytes held if more."""
+        return max(self._held_bytes, len(self._json))
 
     @property
     def needed(self) -> int:
