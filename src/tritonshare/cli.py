@@ -327,8 +327,8 @@ def unload(
     "--max-held-bytes",
     type=click.IntRange(min=0),
     default=256 * 1024 * 1024,
-    help="JSON parts of REST infer requests held at once to be checked, all connections together (the proxy's "
-    "memory grows about twice this); a request that does not fit → 503 with Retry-After: 1. At least "
+    help="Bytes of REST infer requests' JSON held at once to be checked, all connections together (the proxy's "
+    "memory grows by about this much); a request that does not fit → 503 with Retry-After: 1. At least "
     "--max-json-bytes; 0 = no cap.",
 )
 @option(

@@ -12,7 +12,9 @@ is refused, or its connection ends (:meth:`~tritonshare.proxy.rest_requests.Requ
 that does not fit is refused: 503 with ``Retry-After: 1``, counted as refusal reason :data:`REASON`.
 
 The budget counts JSON bytes (a compressed body: the larger of its compressed bytes held and its JSON inflated so
-far); the proxy's memory per held byte is about twice that (the bytes received, and the copy being checked).
+far). Each is held once (:class:`~tritonshare.proxy.inspect.InferBodyCheck`), so the proxy's memory grows by about
+the budget, plus, while one request's JSON is checked (one at a time: the check runs on the event loop), a copy of
+that JSON (at most ``--max-json-bytes``).
 """
 
 from __future__ import annotations
