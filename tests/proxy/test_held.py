@@ -237,7 +237,10 @@ def test_the_proxy_memory_stays_bounded_under_concurrent_large_json(
     finally:
         for conn in conns:
             conn.close()
-    print(f"\n8 × 16 MiB JSON at once, budget 32 MiB: held {held / MIB:.1f} MiB; proxy VmHWM +{grown_mib:.1f} MiB")
+    print(
+        f"\n8 × 16 MiB JSON at once, budget 32 MiB: held {held / MIB:.1f} MiB; proxy VmRSS {before / 1024:.1f} MiB "
+        f"before, VmHWM +{grown_mib:.1f} MiB"
+    )
     assert held <= 32 * MIB
     assert grown_mib < 48, f"the proxy's peak RSS grew by {grown_mib:.1f} MiB for 32 MiB held"
     _wait_until(lambda: _held_bytes(proxy) == 0)
