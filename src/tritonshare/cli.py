@@ -324,6 +324,14 @@ def unload(
     "memory); larger → 413, refused from its Content-Length before Triton sees it. 0 = no limit.",
 )
 @option(
+    "--max-held-bytes",
+    type=click.IntRange(min=0),
+    default=256 * 1024 * 1024,
+    help="Bytes of REST infer requests' JSON held at once to be checked, all connections together (the proxy's "
+    "memory grows by about this much); a request that does not fit → 503 with Retry-After: 1. At least "
+    "--max-json-bytes; 0 = no cap.",
+)
+@option(
     "--strip-header",
     "strip_headers",
     multiple=True,
@@ -428,6 +436,12 @@ def proxy(
     from tritonshare.proxy.server import run
     from tritonshare.proxy.settings import ProxySettings
 
+    held, largest = options["max_held_bytes"], options["max_json_bytes"]
+    if held and held < largest:
+        raise click.UsageError(
+            f"--max-held-bytes {held} is smaller than --max-json-bytes {largest}: a request of the largest JSON "
+            "allowed could never be held; give --max-held-bytes at least --max-json-bytes, or 0 for no cap"
+        )
     settings = ProxySettings(
         layout=NodeLayout(repository=repository, staging=staging, leases=leases),
         holder=holder_of(pod_uid, pod_name, pod_namespace),

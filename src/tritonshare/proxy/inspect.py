@@ -209,22 +209,41 @@ def check_plain_body(body: bytes, json_length: int | None, max_json_bytes: int) 
 
 class InferBodyCheck:
     """Holds the request body's payload (already de-chunked, still encoded) as it arrives, until the JSON part
-    is read and judged; then hands back what it held, to be forwarded.
+    is read and judged; then hands back what it held, to be forwarded. A plain body's JSON part is held once,
+    as the copy that is checked (not also as the pieces it came in), so it costs its size in memory, not twice.
 
     :meth:`feed` returns the held payload once the JSON part is complete and clean (the rest of the body needs
     no look), else None; :meth:`finish`, at the end of the body, judges what was read and returns the held
     payload. Both raise :class:`BodyRefused`.
     """
 
-    def __init__(self, *, encoding: str, json_length: int | None, max_json_bytes: int, max_body_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        encoding: str,
+        json_length: int | None,
+        max_json_bytes: int,
+        max_body_bytes: int = 0,
+        content_length: int | None = None,
+    ) -> None:
+        """``content_length``: the body's, None when chunked."""
         self.inflation = inflation_for(encoding, max_body_bytes)  # RequestBody goes on with it past the JSON part
-        if json_length is not None and json_length > max_json_bytes:
+        # The JSON part's length, when the head tells it: Inference-Header-Content-Length (of the decoded body),
+        # or the Content-Length of a plain body that is all JSON; None: known only as it arrives.
+        self.declared = json_length if json_length is not None or self.inflation is not None else content_length
+        if self.declared is not None and self.declared > max_json_bytes:
             raise BodyRefused(413, _too_large(max_json_bytes), "too_large")
         self._wanted = json_length  # None: the whole (decoded) body is JSON
         self._limit = max_json_bytes
         self._json = bytearray()
-        self._held: list[bytes | memoryview] = []
-        self._held_bytes = 0
+        self._held: list[bytes | memoryview] = []  # encoded payload; a plain body's: what follows the JSON part
+        self._held_bytes = 0  # encoded payload held
+
+    @property
+    def holding(self) -> int:
+        """Bytes held now, as the held-bytes budget counts them (:mod:`tritonshare.proxy.held`): the JSON part
+        read so far, or the encoded bytes held if more."""
+        return max(self._held_bytes, len(self._json))
 
     @property
     def needed(self) -> int:
@@ -233,10 +252,13 @@ class InferBodyCheck:
         return goal - len(self._json)
 
     def feed(self, payload: bytes | memoryview) -> list[bytes | memoryview] | None:
-        self._hold(payload)
         if self.inflation is None:
-            self._json += payload[: self.needed]
+            needed = self.needed
+            self._json += payload[:needed]
+            if len(payload) > needed:
+                self._held.append(payload[needed:])
         else:
+            self._hold(payload)
             self._json += self.inflation.feed(payload, self.needed)
         if self._wanted is None:
             if len(self._json) > self._limit:
@@ -254,9 +276,10 @@ class InferBodyCheck:
         return self._judge()
 
     def _judge(self) -> list[bytes | memoryview]:
-        check_json(bytes(self._json))
-        held, self._held, self._json = self._held, [], bytearray()
-        return held
+        part, self._json = bytes(self._json), bytearray()
+        check_json(part)
+        held, self._held = self._held, []
+        return [part, *held] if part and self.inflation is None else held  # (an empty chunk would end a chunked body)
 
     def _hold(self, payload: bytes | memoryview) -> None:
         # Compressed input may carry bytes that inflate to nothing (a gzip header's comment field): bound them.

@@ -124,6 +124,7 @@ class ProxyMetrics(Collector):
         self._inflight: dict[str, Inflight] = {}
         self._upstream_errors: dict[str, int] = {}
         self._connections: dict[str, Callable[[], int]] = {}  # protocol → its front end's count
+        self._held: Callable[[], int] | None = None  # request bytes held to check them (proxy/held.py)
         self.registry.register(self)
 
     # -- the request path ------------------------------------------------------------------------------
@@ -144,6 +145,10 @@ class ProxyMetrics(Collector):
     def count_connections(self, protocol: str, count: Callable[[], int]) -> None:
         """Where the gauge of ``protocol``'s open client connections is read at scrape time."""
         self._connections[protocol] = count
+
+    def count_held(self, count: Callable[[], int]) -> None:
+        """Where the gauge of request bytes held to check them is read at scrape time."""
+        self._held = count
 
     def upstream_error(self, protocol: str) -> None:
         self._upstream_errors[protocol] = self._upstream_errors.get(protocol, 0) + 1
@@ -204,6 +209,14 @@ class ProxyMetrics(Collector):
         for protocol, count in list(self._connections.items()):
             connections.add_metric([model, protocol], count())
         yield connections
+        if self._held is not None:
+            held = GaugeMetricFamily(
+                "tritonshare_proxy_held_bytes",
+                "Request bytes held to check them (REST infer JSON parts); the cap is --max-held-bytes.",
+                labels=["model"],
+            )
+            held.add_metric([model], self._held())
+            yield held
         errors = CounterMetricFamily(
             "tritonshare_proxy_upstream_errors",
             "Failures to reach or keep a connection to Triton.",

@@ -17,7 +17,8 @@ class Exchange:
     the fields costs a third of what building a new object does, on the path every request takes."""
 
     __slots__ = (
-        "judged", "body", "forwarded", "started", "request_done", "response_done", "holding", "ticket", "held"
+        "judged", "body", "forwarded", "started", "request_done", "response_done", "holding", "ticket", "held",
+        "reserved",
     )  # fmt: skip
 
     judged: Judged
@@ -29,6 +30,7 @@ class Exchange:
     holding: bool  # holds an admission slot
     ticket: admission.Ticket | None  # waiting for an admission slot
     held: bool  # its body is held for the check, not forwarded yet: counted in ``ProxyState.held``
+    reserved: int  # while held: its bytes of the held-bytes budget (``ProxyState.held_budget``)
 
     def start(self, judged: Judged) -> Exchange:
         self.judged = judged

@@ -23,7 +23,7 @@ import re
 from time import perf_counter
 from typing import TYPE_CHECKING
 
-from tritonshare.proxy import admission, auth
+from tritonshare.proxy import admission, auth, held
 from tritonshare.proxy.http1 import CONTINUE, HttpError, error_response
 from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_plain_body, inflation_for
 from tritonshare.proxy.policy import REST_SERVER_ROUTES
@@ -226,6 +226,7 @@ class RequestPath:
                         json_length=judged.json_length,
                         max_json_bytes=self.fe.rules.max_json_bytes,
                         max_body_bytes=max_body_bytes,
+                        content_length=None if head.chunked else judged.length,
                     )
                 else:  # a raw binary body: nothing to check but how far it inflates (Triton inflates it too)
                     inflation = inflation_for(head.content_encoding, max_body_bytes)
@@ -234,7 +235,13 @@ class RequestPath:
                 return rest
         if check is not None:
             ex.held = True  # not in flight until the check passes, but a drain waits for it
+            ex.reserved = 0
             self.state.held += 1
+            # A JSON part of known length that did not come with the head reserves it all now (before any
+            # "100 Continue"); else what is held past a read is reserved after it (_read_body).
+            declared = check.declared
+            if declared is not None and len(rest) < declared and not self._reserve(ex, declared, rest):
+                return rest
         ex.body = RequestBody(judged.length, head.chunked, check, inflation, max_bytes=max_body_bytes)
         if head.expect_continue:
             self._write(CONTINUE)
@@ -255,6 +262,7 @@ class RequestPath:
             self._fail(exc)
             return b""
         refusal = body.refusal
+        check = body.check
         if refusal is not None and not ex.response_done:
             if ex.forwarded:  # Triton has part of it (a body too large, or inflating too far): it loses that connection
                 self.state.metrics.refused(PROTOCOL, ex.judged.route, refusal.reason)
@@ -263,6 +271,8 @@ class RequestPath:
                 self._refuse(ex, refusal.status, refusal.message, refusal.reason, close=refusal.status == 413)
         elif body.ready and not was_ready:
             self._begin(ex, ex.judged.upstream)  # the check passed: the head, then what was held
+        elif check is not None:  # held past this read: reserved in full (the body is not at its end)
+            self._reserve(ex, max(check.holding, check.declared or 0), None)
         for piece in body.take():
             self._upstream().write(piece)
         if end < 0 or self.closing:
@@ -305,9 +315,33 @@ class RequestPath:
         if ex.held:
             self._unhold(ex)
 
+    def _reserve(self, ex: Exchange, total: int, rest: bytes | None) -> bool:
+        """Make the request's reservation of the held-bytes budget (:mod:`tritonshare.proxy.held`) ``total``
+        bytes; if they do not fit, refuse it (503) and close unless its whole body is in ``rest`` (None: it is not).
+        """
+        more = total - ex.reserved
+        if more <= 0:
+            return True
+        budget = self.state.held_budget
+        if budget.reserve(more):
+            ex.reserved = total
+            return True
+        exc = budget.refusal(more, ex.reserved)
+        whole = rest is not None and ex.judged.whole and len(rest) >= ex.judged.length
+        self._refuse(ex, exc.status, exc.message, exc.reason, close=not whole, headers=held.RETRY_AFTER)
+        return False
+
     def _unhold(self, ex: Exchange) -> None:
+        """The request's body is no longer held: its JSON part was checked and handed on, or it was refused, or
+        its connection ended. What it held goes, and its reservation with it."""
         ex.held = False
         self.state.held -= 1
+        if ex.reserved:
+            self.state.held_budget.release(ex.reserved)
+            ex.reserved = 0
+        body = ex.body
+        if body is not None and not body.ready:
+            body.drop()  # now, not when a connection that lingers after its answer ends
 
     # ------------------------------------------------------------------------------------ answers
 

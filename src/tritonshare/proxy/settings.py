@@ -31,6 +31,7 @@ class ProxySettings:
     max_header_bytes: int = 64 * 1024  # request line + headers (REST)
     max_json_bytes: int = 64 * 1024 * 1024  # JSON part of an infer body, held to check it
     max_body_bytes: int = 1 << 30  # a REST request body (inflated, if compressed), which Triton holds whole; 0 = any
+    max_held_bytes: int = 256 * 1024 * 1024  # infer JSON parts held at once, all together (proxy/held.py); 0: no cap
     max_connections: int = 1024  # client connections per port (REST, gRPC); more are turned away; 0 = no cap
     readiness_interval_s: float = 1.0  # how long a cached own-model readiness answer stays fresh
     strip_headers: tuple[str, ...] = ()  # e.g. the header key of Triton's --http-restricted-api

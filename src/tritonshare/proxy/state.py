@@ -21,6 +21,7 @@ from typing import Protocol
 
 from tritonshare.proxy.admission import Admission, AdmissionLimits
 from tritonshare.proxy.auth import BearerTokens
+from tritonshare.proxy.held import HeldBudget
 from tritonshare.proxy.metrics import ProxyMetrics
 from tritonshare.proxy.policy import Verdict
 from tritonshare.proxy.readiness import TritonProbe
@@ -68,6 +69,8 @@ class ProxyState:
         self.tls = TlsCertificates.from_options(settings.tls_cert, settings.tls_key, registry=registry)
         self.draining = False
         self.held = 0  # REST requests whose body is held for its check: not in flight yet, but a drain waits
+        self.held_budget = HeldBudget(settings.max_held_bytes)  # the bytes they hold
+        self.metrics.count_held(lambda: self.held_budget.held)
         self._flight = self.metrics.flight  # in flight, every protocol: what a drain waits for
 
     @property
