@@ -85,6 +85,30 @@ def test_concurrent_declared_json_past_the_budget_gets_503_while_the_others_go_t
             assert again.send(_head(own, len(body)) + body).response()[0] == 200
 
 
+def test_a_whole_compressed_body_in_one_read_holds_nothing_so_is_not_refused_for_the_budget(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
+) -> None:
+    """A gzip body that came whole with its head is checked within that read: it needs no room in the budget,
+    even when its declared JSON (Inference-Header-Content-Length, of the inflated body) is larger than the
+    compressed bytes that came and than what is left of the budget."""
+    own = served_models.own
+    filler = _json_of(900 * 1024)
+    json_part = _json_of(400 * 1024)
+    packed = gzip.compress(json_part)  # ~1 KiB (inflating 400x within the first MiB: the grace)
+    proxy = start_proxy(own, "--no-unload", "--max-json-bytes", str(MIB), "--max-held-bytes", str(2 * MIB))
+    with Raw(proxy.http_port) as first, Raw(proxy.http_port) as second, Raw(proxy.http_port) as whole:
+        for conn in (first, second):  # 1.8 MiB of the 2 MiB reserved
+            conn.send(_head(own, len(filler)) + filler[:1000])
+        _wait_until(lambda: _held_bytes(proxy) == 2 * len(filler))
+        head = _head(own, len(packed), "Content-Encoding: gzip", f"Inference-Header-Content-Length: {len(json_part)}")
+        status, _, answer = whole.send(head + packed).response()
+        assert status == 200, answer
+        assert len(json.loads(answer)["outputs"][0]["data"]) == 400 * 1024 // 5
+        for conn in (first, second):
+            assert conn.send(filler[1000:]).response()[0] == 200
+        _wait_until(lambda: _held_bytes(proxy) == 0)
+
+
 def test_chunked_json_reserves_as_it_is_held_and_past_the_budget_gets_503(
     start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
 ) -> None:

@@ -19,13 +19,16 @@ from hypothesis import strategies as st
 
 from tritonshare.proxy.http1 import ChunkedReader
 from tritonshare.proxy.inspect import (
+    INFLATE_GRACE_BYTES,
     MAX_DEPTH,
     MAX_INFLATE_RATIO,
+    MAX_INFLATED_BYTES,
     BodyRefused,
     InferBodyCheck,
     RequestBody,
     check_depth,
     check_json,
+    inflates_too_far,
     inflation_for,
     might_name_shm,
 )
@@ -402,3 +405,34 @@ def test_brackets_nested_just_under_the_limit_are_bounded_by_the_work_not_checke
     assert time.process_time() - started < 5.0
     tensor = b"[" + b",".join([b"[" + b",".join([b"[1,2]"] * 100) + b"]"] * 20_000) + b"]"  # depth 3, 2 M brackets
     check_depth(tensor)
+
+
+@pytest.mark.parametrize(
+    ("inflated", "compressed", "too_far"),
+    [
+        (INFLATE_GRACE_BYTES, 1, False),  # any ratio within the first MiB (a small body of repeats is legitimate)
+        (INFLATE_GRACE_BYTES + 1, 1, True),
+        (MAX_INFLATE_RATIO * 20_000, 20_000, False),  # exactly the ratio
+        (MAX_INFLATE_RATIO * 20_000 + 1, 20_000, True),
+        (MAX_INFLATED_BYTES, 1 << 30, False),  # Triton's int still holds it
+        (MAX_INFLATED_BYTES + 1, 1 << 30, True),
+    ],
+)
+def test_the_inflate_bound_at_its_edges(inflated: int, compressed: int, too_far: bool) -> None:
+    assert inflates_too_far(inflated, compressed) is too_far
+
+
+@pytest.mark.parametrize(("size", "refused"), [(INFLATE_GRACE_BYTES, False), (INFLATE_GRACE_BYTES + 1, True)])
+def test_a_body_of_zeros_passes_up_to_the_grace_whatever_its_ratio(size: int, refused: bool) -> None:
+    packed = gzip.compress(bytes(size))  # ~1000x
+    inflation = inflation_for("gzip")
+    assert inflation is not None
+    if refused:
+        with pytest.raises(BodyRefused) as info:
+            for i in range(0, len(packed), 7):  # however the body is split
+                inflation.feed(packed[i : i + 7])
+        assert info.value.status == 413
+    else:
+        for i in range(0, len(packed), 7):
+            inflation.feed(packed[i : i + 7])
+        assert inflation.eof

@@ -3,8 +3,9 @@
 A header block comes in one HEADERS frame, or in a HEADERS frame and its CONTINUATION frames with no other
 frame in between (RFC 7540 §6.10). Every block is HPACK-decoded in order (:class:`HeaderDecoder`: its table
 mirrors the client's encoder, as Triton's does). A block that opens a stream is judged
-(:mod:`tritonshare.proxy.grpc_verdicts`) and then forwarded — with a message judge for an OWN route
-(:mod:`tritonshare.proxy.grpc_messages`) and an admission slot for an inference route
+(:mod:`tritonshare.proxy.grpc_verdicts`) and then forwarded — with a message judge for an OWN route, or for any
+stream with a ``grpc-encoding``, whose compressed messages are bounded in how far they inflate
+(:mod:`tritonshare.proxy.grpc_messages`), and an admission slot for an inference route
 (:mod:`tritonshare.proxy.grpc_admission`) — or answered here; a later block of a stream in flight (its
 trailers) goes on. A block dropped after it changed the client's table would put Triton's table out of step:
 from then on every forwarded block is re-encoded without indexing (as it is when headers are stripped).
@@ -199,7 +200,9 @@ class ClientHeaders:
 
     def _forward(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> None:
         judge = None
-        if rule.verdict is Verdict.OWN:
+        # An OWN route's messages are judged; any other's that may come compressed are followed too: Triton's
+        # gRPC server inflates every compressed message whole, whatever its method (the inflate bound).
+        if rule.verdict is Verdict.OWN or block.encoding is not None:
             judge = self._judges.get(rule.route) or self._new_judge(rule)
         stream = self._streams.forward(stream_id, rule, judge, block.encoding)
         if self._gate is not None and rule.route in LIMITED_ROUTES:

@@ -3,13 +3,14 @@
 A REST infer body's JSON part is held until it is complete and checked (:mod:`tritonshare.proxy.inspect`), each
 up to ``--max-json-bytes``; nothing else bounded their sum, so a few clients sending large JSON bodies at once
 could hold more than the container's memory limit and have the proxy OOM-killed — with every other client of the
-pod. So what is held is counted for the whole process. A request reserves what it will hold before holding it
-past the event-loop turn its bytes came in (bytes handled within one turn are not held: a whole request in one
-read never reserves): its declared JSON length at once when the head tells it (the Content-Length of a plain
-JSON body, or Inference-Header-Content-Length), else as its bytes are held (chunked, or gzip/deflate, whose
-inflated size is unknown). What it reserved goes back when its JSON part has been checked and handed on, or it
-is refused, or its connection ends (:meth:`~tritonshare.proxy.rest_requests.RequestPath._unhold`). A reservation
-that does not fit is refused: 503 with ``Retry-After: 1``, counted as refusal reason :data:`REASON`.
+pod. So what is held is counted for the whole process. A request reserves what it will hold before holding it past
+the event-loop turn its bytes came in (bytes handled within one turn are not held: a whole request in one read never
+reserves, nor does a compressed body that came whole with its head): its declared JSON length in full when the head
+tells it (the Content-Length of a plain JSON body, or Inference-Header-Content-Length), at the head if none of its
+body came with it, else once the bytes that did have been read; else as its bytes are held (chunked, or
+gzip/deflate, whose inflated size is unknown). What it reserved goes back when its JSON part has been checked and
+handed on, or it is refused, or its connection ends (:meth:`~tritonshare.proxy.rest_requests.RequestPath._unhold`).
+A reservation that does not fit is refused: 503 with ``Retry-After: 1``, counted as refusal reason :data:`REASON`.
 
 The budget counts JSON bytes (a compressed body: the larger of its compressed bytes held and its JSON inflated so
 far). Each is held once (:class:`~tritonshare.proxy.inspect.InferBodyCheck`), so the proxy's memory grows by about

@@ -237,10 +237,12 @@ class RequestPath:
             ex.held = True  # not in flight until the check passes, but a drain waits for it
             ex.reserved = 0
             self.state.held += 1
-            # A JSON part of known length that did not come with the head reserves it all now (before any
-            # "100 Continue"); else what is held past a read is reserved after it (_read_body).
+            # A JSON part of known length whose body has not begun to come reserves it all now (before any
+            # "100 Continue"). Bytes of the body that came with the head are read at once (_read_body), and what
+            # is held past that read is reserved after it: a body that came whole holds nothing (a compressed
+            # one's bytes, fewer than its declared JSON, must not make it look held).
             declared = check.declared
-            if declared is not None and len(rest) < declared and not self._reserve(ex, declared, rest):
+            if declared is not None and not rest and not self._reserve(ex, declared):
                 return rest
         ex.body = RequestBody(judged.length, head.chunked, check, inflation, max_bytes=max_body_bytes)
         if head.expect_continue:
@@ -272,7 +274,7 @@ class RequestPath:
         elif body.ready and not was_ready:
             self._begin(ex, ex.judged.upstream)  # the check passed: the head, then what was held
         elif check is not None:  # held past this read: reserved in full (the body is not at its end)
-            self._reserve(ex, max(check.holding, check.declared or 0), None)
+            self._reserve(ex, max(check.holding, check.declared or 0))
         for piece in body.take():
             self._upstream().write(piece)
         if end < 0 or self.closing:
@@ -315,10 +317,10 @@ class RequestPath:
         if ex.held:
             self._unhold(ex)
 
-    def _reserve(self, ex: Exchange, total: int, rest: bytes | None) -> bool:
+    def _reserve(self, ex: Exchange, total: int) -> bool:
         """Make the request's reservation of the held-bytes budget (:mod:`tritonshare.proxy.held`) ``total``
-        bytes; if they do not fit, refuse it (503) and close unless its whole body is in ``rest`` (None: it is not).
-        """
+        bytes; if they do not fit, refuse it (503) and close: the rest of its body is still to come (a body that
+        came whole with its head is never held, so never reserves)."""
         more = total - ex.reserved
         if more <= 0:
             return True
@@ -327,8 +329,7 @@ class RequestPath:
             ex.reserved = total
             return True
         exc = budget.refusal(more, ex.reserved)
-        whole = rest is not None and ex.judged.whole and len(rest) >= ex.judged.length
-        self._refuse(ex, exc.status, exc.message, exc.reason, close=not whole, headers=held.RETRY_AFTER)
+        self._refuse(ex, exc.status, exc.message, exc.reason, close=True, headers=held.RETRY_AFTER)
         return False
 
     def _unhold(self, ex: Exchange) -> None:
