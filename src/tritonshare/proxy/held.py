@@ -53,6 +53,6 @@ class HeldBudget:
             STATUS,
             f"the request's JSON ({own + size} bytes to hold) does not fit for now: the proxy is holding "
             f"{self.held - own} bytes of other requests' JSON to check them (--max-held-bytes {self.limit}); "
-            "retry, or send tensors in binary (Inference-Header-Content-Length)",
+            "retry later; tensors sent as binary data (Inference-Header-Content-Length) leave less JSON to hold",
             REASON,
         )
