@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import time
 from collections.abc import Callable
 
 import hpack
 import numpy as np
+import pytest
 from tritonclient.grpc import service_pb2 as pb
 
+from tests.proxy.conftest import ServedModels
+from tests.proxy.test_grpc import INFER, refusals
 from tests.proxy.test_grpc_relay import Client, Recorder, data, frames
-from tests.proxy.wire import client_streams
+from tests.proxy.test_held import _held_bytes, _wait_until
+from tests.proxy.wire import RawClient, client_streams
+from tests.support.proxy import ProxyProcess
 from tritonshare.proxy import http2
 from tritonshare.proxy.grpc import GrpcFrontend
 from tritonshare.proxy.grpc_connection import ClientConnection
@@ -34,7 +40,7 @@ def infer_message(model: str, size: int, *, compress: bool = False) -> bytes:
     """A framed ModelInferRequest whose one input carries ``size`` bytes of FP32 data in its contents (field 5)."""
     request = pb.ModelInferRequest(model_name=model)
     tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=[size // 4])
-    tensor.contents.fp32_contents.extend(np.random.default_rng(size).random(size // 4, dtype=np.float32))
+    tensor.contents.fp32_contents.extend(_values(size))
     body = request.SerializeToString()
     if compress:
         body = gzip.compress(body)
@@ -220,3 +226,149 @@ def test_a_field_naming_shared_memory_stays_reserved_until_its_message_is_judged
 def infer_message_framed(request: pb.ModelInferRequest) -> bytes:
     body = request.SerializeToString()
     return b"\x00" + len(body).to_bytes(4, "big") + body
+
+
+# ---------------------------------------------------------------------------------------------- real Triton
+
+
+class FlowClient:
+    """A raw HTTP/2 client (:class:`~tests.proxy.wire.RawClient`) that sends DATA in :data:`FRAME`-byte frames
+    within the windows the server gives, one frame per write, and reads what comes back meanwhile."""
+
+    def __init__(self, port: int) -> None:
+        self.raw = RawClient(port, timeout_s=30)
+        self.decoder = hpack.Decoder()
+        self.connection_window = self.initial_window = 65_535
+        self.windows: dict[int, int] = {}
+        self.statuses: dict[int, dict[str, str]] = {}  # trailers (or trailers-only answers), by stream
+        self.replies: dict[int, bytearray] = {}
+
+    def open(self, stream_id: int, path: str) -> None:
+        self.windows[stream_id] = self.initial_window
+        self.raw.sock.sendall(self.raw.request(stream_id, path))
+
+    def send(self, stream_id: int, payload: bytes, *, end: bool) -> None:
+        """Send ``payload`` on the stream unless it ends meanwhile (refused)."""
+        for i in range(0, len(payload), FRAME):
+            piece = payload[i : i + FRAME]
+            while min(self.connection_window, self.windows[stream_id]) < len(piece):
+                if stream_id in self.statuses:
+                    return
+                self.read(lambda got: bool(got), timeout_s=30)
+            if stream_id in self.statuses:
+                return
+            last = end and i + FRAME >= len(payload)
+            self.raw.sock.sendall(data(stream_id, piece, end=last))
+            self.connection_window -= len(piece)
+            self.windows[stream_id] -= len(piece)
+
+    def wait_for(self, stream_id: int, timeout_s: float = 60) -> dict[str, str]:
+        deadline = time.monotonic() + timeout_s
+        while stream_id not in self.statuses:
+            assert time.monotonic() < deadline, f"stream {stream_id} did not end"
+            self.read(lambda got: bool(got), timeout_s=1)
+        return self.statuses[stream_id]
+
+    def read(self, until: Callable[[list[tuple[int, int, int, bytes]]], bool], timeout_s: float) -> None:
+        for kind, flags, stream_id, payload in self.raw.frames(until, timeout_s):
+            assert kind != -1, "the proxy closed the connection"
+            if kind == http2.SETTINGS and not flags & http2.ACK:
+                pairs = http2.settings_pairs(payload)
+                if 0x4 in pairs:  # SETTINGS_INITIAL_WINDOW_SIZE
+                    for sid in self.windows:
+                        self.windows[sid] += pairs[0x4] - self.initial_window
+                    self.initial_window = pairs[0x4]
+                self.raw.sock.sendall(http2.SETTINGS_ACK)
+            elif kind == http2.WINDOW_UPDATE:
+                if stream_id:
+                    self.windows[stream_id] = self.windows.get(stream_id, 0) + http2.window_increment(payload)
+                else:
+                    self.connection_window += http2.window_increment(payload)
+            elif kind == http2.DATA:
+                self.replies.setdefault(stream_id, bytearray()).extend(payload)
+                if payload:  # read: Triton may send on
+                    self.raw.sock.sendall(
+                        http2.window_update(0, len(payload)) + http2.window_update(stream_id, len(payload))
+                    )
+            elif kind == http2.HEADERS:
+                fields = {str(k): str(v) for k, v in self.decoder.decode(payload)}
+                if flags & http2.END_STREAM:
+                    self.statuses[stream_id] = fields
+            elif kind == http2.RST_STREAM:
+                self.statuses[stream_id] = {"reset": str(int.from_bytes(payload, "big"))}
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def _values(size: int) -> np.ndarray:
+    return np.random.default_rng(size).random(size // 4, dtype=np.float32)
+
+
+@pytest.mark.triton
+def test_concurrent_streams_past_the_budget_are_refused_while_the_others_pass(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
+) -> None:
+    """An 8 MiB budget; five streams on one connection each send all but the last frame of a 3 MiB ``inputs``
+    field (so it is held across reads): two fit, the others get RESOURCE_EXHAUSTED and are reset at Triton; the
+    two then complete and Triton answers them; the budget comes back to zero, and a new stream passes."""
+    own = served_models.own
+    proxy = start_proxy(own, "--no-unload", "--max-json-bytes", str(4 * MIB), "--max-held-bytes", str(8 * MIB))
+    messages = {sid: infer_message(own, 3 * MIB + sid * 4) for sid in (1, 3, 5, 7, 9, 11)}
+    client = FlowClient(proxy.grpc_port)
+    try:
+        client.read(lambda got: any(kind == http2.SETTINGS for kind, *_ in got), timeout_s=10)
+        for sid in (1, 3, 5, 7, 9):
+            client.open(sid, INFER)
+            client.send(sid, messages[sid][:-FRAME], end=False)
+        refused = {sid: client.wait_for(sid) for sid in (5, 7, 9)}
+        for status in refused.values():
+            assert status["grpc-status"] == "8", status
+            assert "--max-held-bytes 8388608" in status["grpc-message"], status
+        assert 2 * (3 * MIB - FRAME) <= _held_bytes(proxy) <= 8 * MIB  # the two fields held, less their last frame
+        assert refusals(proxy, "ModelInfer", REASON) == 3
+        for sid in (1, 3):
+            client.send(sid, messages[sid][-FRAME:], end=True)
+            assert client.wait_for(sid)["grpc-status"] == "0"
+            assert _output(client.replies[sid]) == _values(3 * MIB + sid * 4).tobytes()
+        _wait_until(lambda: _held_bytes(proxy) == 0)
+        client.open(11, INFER)  # the budget came back
+        client.send(11, messages[11], end=True)
+        assert client.wait_for(11)["grpc-status"] == "0"
+    finally:
+        client.close()
+    _wait_until(lambda: _held_bytes(proxy) == 0)
+
+
+@pytest.mark.triton
+def test_the_proxy_memory_stays_bounded_under_concurrent_large_inputs(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
+) -> None:
+    """8 streams each send all but the last frame of a 6 MiB ``inputs`` field to a proxy with an 8 MiB budget: one
+    is held, the others refused as they reach the budget, and the proxy's peak RSS grows by far less than the
+    48 MiB they would hold without it."""
+    own = served_models.own
+    proxy = start_proxy(own, "--no-unload", "--max-json-bytes", str(8 * MIB), "--max-held-bytes", str(8 * MIB))
+    message = infer_message(own, 6 * MIB)
+    client = FlowClient(proxy.grpc_port)
+    try:
+        client.read(lambda got: any(kind == http2.SETTINGS for kind, *_ in got), timeout_s=10)
+        before = proxy.rss_kib("VmRSS")
+        for sid in range(1, 17, 2):
+            client.open(sid, INFER)
+            client.send(sid, message[:-FRAME], end=False)
+        time.sleep(0.5)
+        grown_mib = (proxy.rss_kib("VmHWM") - before) / 1024
+        held = _held_bytes(proxy)
+        refused = sum(client.statuses.get(sid, {}).get("grpc-status") == "8" for sid in range(1, 17, 2))
+    finally:
+        client.close()
+    print(f"\n8 × 6 MiB inputs at once, budget 8 MiB: held {held / MIB:.1f} MiB, VmHWM +{grown_mib:.1f} MiB")
+    assert held <= 8 * MIB and refused == 7
+    assert grown_mib < 24, f"the proxy's peak RSS grew by {grown_mib:.1f} MiB for 8 MiB held"
+    _wait_until(lambda: _held_bytes(proxy) == 0)
+
+
+def _output(reply: bytes) -> bytes:
+    response = pb.ModelInferResponse.FromString(bytes(reply[5:]))
+    return response.raw_output_contents[0]
