@@ -327,9 +327,10 @@ def unload(
     "--max-held-bytes",
     type=click.IntRange(min=0),
     default=256 * 1024 * 1024,
-    help="Bytes of REST infer requests' JSON held at once to be checked, all connections together (the proxy's "
-    "memory grows by about this much); a request that does not fit → 503 with Retry-After: 1. At least "
-    "--max-json-bytes; 0 = no cap.",
+    help="Bytes of infer requests held at once to be checked, all connections together (the proxy's memory grows "
+    "by about this much): REST JSON, and gRPC parameter fields (parameters, inputs with their contents, outputs) "
+    "kept across reads. A REST request that does not fit → 503 with Retry-After: 1, a gRPC one → "
+    "RESOURCE_EXHAUSTED. At least --max-json-bytes; 0 = no cap.",
 )
 @option(
     "--strip-header",

@@ -72,6 +72,7 @@ class ClientHeaders:
         self._max_bytes = state.settings.max_header_bytes
         self._own = state.own_bytes
         self._limit = state.settings.max_json_bytes
+        self._budget = state.held_budget  # parameter bytes kept across reads are reserved there
         # Whole request messages are walked by these (remembering their leading fields), without / with the
         # parameter check.
         self._walkers = (
@@ -212,5 +213,7 @@ class ClientHeaders:
 
     def _new_judge(self, rule: GrpcRule) -> MessageJudge:
         walker = self._walkers[rule.inspect]
-        judge = self._judges[rule.route] = MessageJudge(rule, self._own, limit=self._limit, walker=walker)
+        judge = self._judges[rule.route] = MessageJudge(
+            rule, self._own, limit=self._limit, budget=self._budget, walker=walker
+        )
         return judge

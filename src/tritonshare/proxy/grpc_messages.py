@@ -21,6 +21,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from tritonshare.proxy import held
 from tritonshare.proxy.inspect import INFLATES_TOO_FAR, inflates_too_far
 from tritonshare.proxy.policy import (
     GRPC_INVALID_ARGUMENT,
@@ -38,6 +39,7 @@ from tritonshare.proxy.protobuf import (
     FieldWalker,
     MalformedMessage,
     MessageWalker,
+    OverBudget,
     WalkResult,
     names_shm_parameter,
 )
@@ -63,14 +65,25 @@ class MessageJudge:
     stream; a stream gets a :class:`MessageInspector` once one does not (or from its start, when the relay
     needs to count its messages)."""
 
-    __slots__ = ("rule", "own", "accept", "limit", "walker")
+    __slots__ = ("rule", "own", "accept", "limit", "budget", "walker")
 
-    def __init__(self, rule: GrpcRule, own: bytes, *, limit: int, walker: MessageWalker | None = None) -> None:
-        """``walker``: the connection's, for messages of ``rule`` (one is made if not given)."""
+    def __init__(
+        self,
+        rule: GrpcRule,
+        own: bytes,
+        *,
+        limit: int,
+        budget: held.HeldBudget | None = None,
+        walker: MessageWalker | None = None,
+    ) -> None:
+        """``budget``: the process's held-bytes budget (:mod:`tritonshare.proxy.held`), where parameter bytes kept
+        across reads are reserved; ``walker``: the connection's, for messages of ``rule`` (one is made if not
+        given)."""
         self.rule = rule
         self.own = own
         self.accept = own or None  # a name accepted without asking the policy (never an empty one)
         self.limit = limit
+        self.budget = budget
         self.walker = walker or MessageWalker(inspect=rule.inspect, limit=limit)
 
     def whole(self, buf: bytes, pos: int, end: int) -> int | Refusal:
@@ -174,7 +187,15 @@ class MessageInspector:
                     return self._refusal
         except (MalformedMessage, zlib.error) as exc:
             return _malformed(exc)
+        except OverBudget as exc:
+            assert self._judge.budget is not None  # (only a walker given a budget raises it)
+            return Refusal(GRPC_RESOURCE_EXHAUSTED, self._judge.budget.grpc_refusal(exc.size, exc.own), held.REASON)
         return None
+
+    def close(self) -> None:
+        """The stream is over, whichever way: what the message in progress kept is given back."""
+        if self._walker is not None:
+            self._walker.release()
 
     def _feed_piece(self, buf: bytes, pos: int, end: int) -> int:
         """Follow a message that is not whole in ``buf[pos:end]``: its 5-byte prefix, or bytes of its body.
@@ -219,7 +240,8 @@ class MessageInspector:
             self._inflater = zlib.decompressobj(wbits)
             self._compressed = self._inflated = 0
         fields = COMPRESSED_FIELDS if self._inflater is not None else -1  # see protobuf.COMPRESSED_FIELDS
-        self._walker = FieldWalker(inspect=self._judge.rule.inspect, limit=self._judge.limit, fields=fields)
+        judge = self._judge
+        self._walker = FieldWalker(inspect=judge.rule.inspect, limit=judge.limit, fields=fields, budget=judge.budget)
         self._left = length
         return self._end_message(pos) if length == 0 else None
 
@@ -244,20 +266,24 @@ class MessageInspector:
                 return None
 
     def _end_message(self, pos: int) -> Refusal | None:
-        walker, self._walker = self._walker, None
+        walker = self._walker
         assert walker is not None
-        if self._inflater is not None:
-            rest = self._inflater.flush()
-            walker.feed(rest, 0, len(rest))
-            if not self._inflater.eof:
-                raise MalformedMessage(f"compressed message ends before its {self._encoding!r} stream does")
-            if self._inflater.unused_data:  # what a reader other than zlib might take for more of the message
-                raise MalformedMessage(
-                    f"compressed message has {len(self._inflater.unused_data)} bytes after its {self._encoding!r} "
-                    "stream ends"
-                )
-        result = walker.finish()
-        return self._judge_message(result.model_name, result, end=pos)
+        try:
+            if self._inflater is not None:
+                rest = self._inflater.flush()
+                walker.feed(rest, 0, len(rest))
+                if not self._inflater.eof:
+                    raise MalformedMessage(f"compressed message ends before its {self._encoding!r} stream does")
+                if self._inflater.unused_data:  # what a reader other than zlib might take for more of the message
+                    raise MalformedMessage(
+                        f"compressed message has {len(self._inflater.unused_data)} bytes after its "
+                        f"{self._encoding!r} stream ends"
+                    )
+            result = walker.finish()
+            return self._judge_message(result.model_name, result, end=pos)
+        finally:
+            self._walker = None
+            walker.release()  # judged, or refused: what it kept goes
 
     def _judge_message(self, name: bytes, result: WalkResult | None, end: int) -> Refusal | None:
         """The verdict on a message that ended at ``end`` in the buffer being fed (see MessageJudge.verdict)."""

@@ -89,6 +89,8 @@ class StreamTable:
             return False
         if stream.ticket is not None or stream.holding:
             self._leave(stream)
+        if stream.inspector is not None:  # what it kept of a message in progress goes back
+            stream.inspector.close()
         stream.meter.end(code, stream.started)
         return True
 
@@ -97,6 +99,8 @@ class StreamTable:
         stream = self.active.pop(stream_id)
         if stream.ticket is not None or stream.holding:
             self._leave(stream)
+        if stream.inspector is not None:  # what it kept of a message in progress goes back
+            stream.inspector.close()
         _remember(self.reset, stream_id)
         stream.meter.end(STATUS_NAMES[refusal.status], stream.started)
         self._state.metrics.refused(PROTOCOL, stream.rule.route, refusal.reason)
@@ -115,6 +119,8 @@ class StreamTable:
         for stream in streams:
             if stream.ticket is not None or stream.holding:
                 self._leave(stream)
+            if stream.inspector is not None:  # what it kept of a message in progress goes back
+                stream.inspector.close()
             stream.meter.end(code, stream.started)
 
     def _leave(self, stream: Stream) -> None:

@@ -1,4 +1,4 @@
-"""The process-wide budget of request bytes the proxy holds to check them (``--max-held-bytes``).
+"""The process-wide budget of request bytes the proxy holds to check them (``--max-held-bytes``), REST and gRPC.
 
 A REST infer body's JSON part is held until it is complete and checked (:mod:`tritonshare.proxy.inspect`), each
 up to ``--max-json-bytes``; nothing else bounded their sum, so a few clients sending large JSON bodies at once
@@ -11,6 +11,15 @@ body came with it, else once the bytes that did have been read; else as its byte
 gzip/deflate, whose inflated size is unknown). What it reserved goes back when its JSON part has been checked and
 handed on, or it is refused, or its connection ends (:meth:`~tritonshare.proxy.rest_requests.RequestPath._unhold`).
 A reservation that does not fit is refused: 503 with ``Retry-After: 1``, counted as refusal reason :data:`REASON`.
+
+gRPC holds the parameter fields of infer messages (``parameters``, ``inputs`` — whose contents can carry tensor
+data — and ``outputs``) to check them, each message's up to ``--max-json-bytes``
+(:class:`~tritonshare.proxy.protobuf.FieldWalker`); the message's frames are forwarded as they pass. What is kept
+past the read it came in is reserved as it is kept, at what it keeps alive (a view of a read buffer reserves the
+whole buffer; a small part of one is copied), and goes back when its field ends (or its message is judged, for a
+field that names shared memory), or its stream ends, whichever way
+(:meth:`~tritonshare.proxy.grpc_messages.MessageInspector.close`). A message lying whole in one DATA frame keeps
+nothing. A stream that does not fit is refused RESOURCE_EXHAUSTED (reason :data:`REASON`) and reset at Triton.
 
 The budget counts JSON bytes (a compressed body: the larger of its compressed bytes held and its JSON inflated so
 far). Each is held once (:class:`~tritonshare.proxy.inspect.InferBodyCheck`), so the proxy's memory grows by about
@@ -55,4 +64,13 @@ class HeldBudget:
             f"{self.held - own} bytes of other requests' JSON to check them (--max-held-bytes {self.limit}); "
             "retry later; tensors sent as binary data (Inference-Header-Content-Length) leave less JSON to hold",
             REASON,
+        )
+
+    def grpc_refusal(self, size: int, own: int) -> str:
+        """The message of a gRPC request that could not keep ``size`` more bytes, having ``own`` reserved already
+        (RESOURCE_EXHAUSTED, refusal reason :data:`REASON`)."""
+        return (
+            f"the request message's parameter fields ({own + size} bytes to keep) do not fit for now: the proxy is "
+            f"holding {self.held - own} bytes of other requests to check them (--max-held-bytes {self.limit}); "
+            "retry later; tensor data sent in raw_input_contents rather than in the inputs' contents is never held"
         )

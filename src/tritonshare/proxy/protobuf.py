@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from tritonshare.proxy.policy import SHM_MARKER, SHM_PARAMETERS
 
@@ -60,6 +61,23 @@ class MalformedMessage(Exception):
     """The bytes are not a protobuf message the walker can follow."""
 
 
+class Budget(Protocol):
+    """Bytes held at once by every walker (:class:`~tritonshare.proxy.held.HeldBudget`)."""
+
+    def reserve(self, size: int) -> bool: ...
+
+    def release(self, size: int) -> None: ...
+
+
+class OverBudget(Exception):
+    """Keeping more of a parameter field would take the walkers' :class:`Budget` past its limit."""
+
+    def __init__(self, size: int, own: int) -> None:
+        super().__init__(f"{size} more bytes to keep, {own} kept")
+        self.size = size  # what did not fit
+        self.own = own  # what the walker had reserved already
+
+
 @dataclass(slots=True)
 class WalkResult:
     model_name: bytes = b""
@@ -85,19 +103,27 @@ class FieldWalker:
         "_hit",
         "_tail",
         "_result",
+        "_budget",
+        "_field_cost",
+        "_suspects_cost",
         "fields_left",
     )
 
-    def __init__(self, *, inspect: bool, limit: int, fields: int = -1) -> None:
+    def __init__(self, *, inspect: bool, limit: int, fields: int = -1, budget: Budget | None = None) -> None:
         """``fields``: how many fields it may walk before it refuses the message (-1: any number); the
-        owner may allow more as the message arrives (:attr:`fields_left`)."""
+        owner may allow more as the message arrives (:attr:`fields_left`). ``budget``: where what it keeps
+        of parameter fields is reserved as it is kept (:class:`OverBudget` when it does not fit), until the
+        owner calls :meth:`release`."""
         self._inspect = inspect
         self._limit = limit  # bytes of parameter fields kept for a full parse
+        self._budget = budget
+        self._field_cost = 0  # reserved for the parts of the field being kept
+        self._suspects_cost = 0  # reserved for the kept fields that name SHM_MARKER (until the message ends)
         self.fields_left = fields
         self._state = _TAG
         self._acc = self._shift = self._field = self._left = self._kept = 0
         self._name: list[bytes] = []
-        self._parts: list[memoryview] | None = None
+        self._parts: list[bytes | memoryview] | None = None
         self._hit = False
         self._tail = b""
         self._result = WalkResult()
@@ -190,9 +216,36 @@ class FieldWalker:
         if self._parts is not None:
             self._kept += end - start
             if self._kept <= self._limit:
-                self._parts.append(memoryview(buf)[start:end])
+                self._parts.append(self._keep(buf, start, end))
             else:
                 self._parts = None
+                self._release_field()
+
+    def _keep(self, buf: bytes, start: int, end: int) -> bytes | memoryview:
+        """A part of a parameter field, kept until the field ends: a view when it is most of ``buf`` (which the
+        view keeps whole), else a copy; reserved in the budget at what it keeps alive."""
+        size = end - start
+        if 2 * size >= len(buf):
+            part: bytes | memoryview = memoryview(buf)[start:end]
+            size = len(buf)
+        else:
+            part = buf[start:end]
+        if self._budget is not None:
+            if not self._budget.reserve(size):
+                raise OverBudget(size, self._field_cost + self._suspects_cost)
+            self._field_cost += size
+        return part
+
+    def _release_field(self) -> None:
+        if self._field_cost and self._budget is not None:
+            self._budget.release(self._field_cost)
+        self._field_cost = 0
+
+    def release(self) -> None:
+        """Give back all that was reserved for what it kept: the message has been judged, or is dropped."""
+        if self._budget is not None:
+            self._budget.release(self._field_cost + self._suspects_cost)
+        self._field_cost = self._suspects_cost = 0
 
     def _end_field(self) -> None:
         self._state = _TAG
@@ -205,6 +258,10 @@ class FieldWalker:
             else:
                 self._result.suspects.append((self._field, b"".join(self._parts)))
                 self._limit -= self._kept  # the bound holds for the kept fields of a message together
+                # The joined copy is kept in place of the parts until the message is judged: so is its reservation.
+                self._suspects_cost += self._kept
+                self._field_cost -= self._kept
+        self._release_field()
         self._parts, self._hit, self._kept = None, False, 0
 
 
