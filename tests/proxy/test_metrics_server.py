@@ -97,7 +97,10 @@ def test_a_flood_of_silent_connections_to_the_metrics_port_is_capped_and_probes_
         assert _open_fds(proxy) < before + MAX_CONNECTIONS + 8  # not one descriptor per connection
         for _ in range(3):  # the flood's connections still fill the port: a probe is answered all the same
             assert get(proxy.metrics_port, "/v2/health/ready")[0] == 200
-        assert proxy.log_text().count(f"the metrics port {proxy.metrics_port} holds {MAX_CONNECTIONS}") == 1
+        # Logged once per spell of a full port, not per connection closed (192 were): a scrape that ends between
+        # the flood's accepts gives the port room, and the next closing begins another spell.
+        warnings = proxy.log_text().count(f"the metrics port {proxy.metrics_port} holds {MAX_CONNECTIONS}")
+        assert 1 <= warnings <= 5
     finally:
         for sock in silent + flood:
             sock.close()
