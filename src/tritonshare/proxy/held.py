@@ -15,9 +15,9 @@ A reservation that does not fit is refused: 503 with ``Retry-After: 1``, counted
 gRPC holds the parameter fields of infer messages (``parameters``, ``inputs`` — whose contents can carry tensor
 data — and ``outputs``) to check them, each message's up to ``--max-json-bytes``
 (:class:`~tritonshare.proxy.protobuf.FieldWalker`); the message's frames are forwarded as they pass. What is kept
-past the read it came in is reserved as it is kept, at what it keeps alive (a view of a read buffer reserves the
-whole buffer; a small part of one is copied), and goes back when its field ends (or its message is judged, for a
-field that names shared memory), or its stream ends, whichever way
+is reserved as it is kept (also when its field ends within the same read), at what it keeps alive (a view of a
+read buffer reserves the whole buffer; a small part of one is copied), and goes back when its field ends (or its
+message is judged, for a field that names shared memory), or its stream ends, whichever way
 (:meth:`~tritonshare.proxy.grpc_messages.MessageInspector.close`). A message lying whole in one DATA frame keeps
 nothing. A stream that does not fit is refused RESOURCE_EXHAUSTED (reason :data:`REASON`) and reset at Triton.
 

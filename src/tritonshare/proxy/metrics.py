@@ -212,7 +212,8 @@ class ProxyMetrics(Collector):
         if self._held is not None:
             held = GaugeMetricFamily(
                 "tritonshare_proxy_held_bytes",
-                "Request bytes held to check them (REST infer JSON parts); the cap is --max-held-bytes.",
+                "Request bytes held to check them (REST infer JSON parts, gRPC infer parameter fields); the cap is "
+                "--max-held-bytes.",
                 labels=["model"],
             )
             held.add_metric([model], self._held())
