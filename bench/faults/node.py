@@ -144,11 +144,3 @@ def run_gc(node: Node, triton: TritonServer, *, ttl_s: float, manage: str) -> su
         "--manage", manage, "--termination-log", str(node.root / "gc-termination"),
     ]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-
-
-def vm_kib(pid: int, field: str) -> int:
-    """A ``/proc/PID/status`` figure in KiB (VmRSS, VmHWM)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(f"{field} not in /proc/{pid}/status")

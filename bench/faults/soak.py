@@ -34,7 +34,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.faults.node import Node, start_triton, vm_kib
+from bench.faults.node import Node, start_triton
+from tests.support.children import vm_kib
 from tests.support.install import wait_model_ready
 from tests.support.proxy import ProxyProcess
 from tests.support.triton import REPO_ROOT, TritonServer

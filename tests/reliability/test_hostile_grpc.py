@@ -20,13 +20,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from bench.faults.node import vm_kib
 from google.protobuf.message import DecodeError, Message
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
 from tests.reliability.conftest import RESTRICTED_KEY, Hostile
+from tests.support.children import vm_kib
 from tests.support.ports import free_port, wait_port
 from tritonshare.proxy.policy import GRPC_SERVICE, HEALTH_SERVICE
 

@@ -1,9 +1,10 @@
-"""Servers the tests start as child processes: none may outlive the test run that started it."""
+"""Servers the tests start as child processes: none may outlive the test run that started it; their memory."""
 
 from __future__ import annotations
 
 import ctypes
 import signal
+from pathlib import Path
 
 
 def die_with_parent() -> None:
@@ -11,3 +12,11 @@ def die_with_parent() -> None:
     (a timeout, ^C twice, SIGKILL) leaves no server behind. Linux; the parent is the thread that started the
     child, so start it from the thread that outlives it (the tests start their servers from the main thread)."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def vm_kib(pid: int, field: str) -> int:
+    """A ``/proc/PID/status`` figure in KiB (VmRSS, VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(f"{field} not in /proc/{pid}/status")

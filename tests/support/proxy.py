@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.children import vm_kib
 from tests.support.ports import free_port
 from tests.support.triton import TritonServer
 from tritonshare.common.layout import NodeLayout
@@ -108,9 +109,7 @@ class ProxyProcess:
             self.process.wait()
 
     def rss_kib(self, field_name: str = "VmRSS") -> int:
-        status = Path(f"/proc/{self.pid}/status").read_text()
-        line = next(x for x in status.splitlines() if x.startswith(field_name + ":"))
-        return int(line.split()[1])
+        return vm_kib(self.pid, field_name)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -12,7 +12,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.children import die_with_parent
+from tests.support.children import die_with_parent, vm_kib
 from tests.support.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -138,5 +138,4 @@ class TritonServer:
     def rss_mib(self) -> int:
         """Triton's resident memory now (VmRSS), in MiB."""
         assert self.process is not None
-        status = Path(f"/proc/{self.process.pid}/status").read_text()
-        return int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1]) // 1024
+        return vm_kib(self.process.pid, "VmRSS") // 1024
