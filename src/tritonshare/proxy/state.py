@@ -79,8 +79,7 @@ class ProxyState:
 
     def refuse(self, protocol: str, route: str, code: str, reason: str) -> None:
         """A request the proxy answered itself without reaching Triton."""
-        self.metrics.refused(protocol, route, reason)
-        self.metrics.observe(protocol, route, code, 0.0)
+        self.metrics.refused_answer(protocol, route, code, reason)
 
     def answered(self, protocol: str, route: str, code: str, started: float) -> None:
         """A request the proxy answered itself that is not a refusal (a probe)."""
