@@ -291,8 +291,12 @@ def test_the_whole_page_is_valid_prometheus_text_after_every_kind_of_traffic(
     # Tenant-chosen paths, names and errors are no label value (checked above): the series stay few.
     assert sum(len(samples) for _, samples in own.values()) < 300
     # The refusals of the first round were counted, each kind under its own reason.
-    reasons = {labels["reason"] for _, labels, _ in own["tritonshare_proxy_refusals_total"][1]}
-    assert {"unauthenticated", "rate_limited", "not_found", "other_model", "denied", "bad_request"} <= reasons, reasons
+    refusals = own["tritonshare_proxy_refusals_total"][1]
+    reasons = {labels["reason"] for _, labels, _ in refusals}
+    assert {"unauthenticated", "rate_limited", "other_model", "denied", "bad_request"} <= reasons, reasons
+    # The same refusal has the same reason on both protocols: one query sums a tenant's calls to other models.
+    for reason in ("unauthenticated", "other_model"):
+        assert {labels["protocol"] for _, labels, _ in refusals if labels["reason"] == reason} == {"rest", "grpc"}
     # Refusals are counted, not timed: infer's latency is that of the infers served (not of the 429s beside them).
     requests = own["tritonshare_proxy_requests_total"][1]
     assert any(labels["code"] == "429" for _, labels, _ in requests)
