@@ -180,8 +180,9 @@ def main(log_format: str, log_level: str) -> None:
 def load(**params: Any) -> None:
     """Fetch SOURCE (s3://, gs://, http(s)://, file:// or a path), install it as NAME, wait until ready.
 
-    Exit codes: 0 ready; 2 usage; 10 permanent source error; 11 transient source failure; 12 Triton
-    failed to load the model; 13 readiness deadline; 14 NAME installed from a different source;
+    Exit codes: 0 ready; 1 unexpected error (a bug: its traceback is logged); 2 usage; 10 permanent source
+    error; 11 transient source failure; 12 Triton failed to load the model; 13 readiness deadline (also: Triton
+    not answering at all); 14 NAME installed from a different source;
     15 not enough disk space, or GPU memory (--require-gpu-memory-mib); 16 Triton's metrics unreadable
     (GPU memory check); 143 (130) stopped by SIGTERM (SIGINT), after cleaning up: nothing staged, no lease.
     """
@@ -432,7 +433,9 @@ def proxy(
 
     On SIGTERM: readiness turns false, in-flight requests drain, then the model is unloaded. Exit codes: 0
     unloaded, or kept for another pod (or --no-unload); as `tritonshare unload` when the unload failed (13 Triton
-    kept it LOADING, or still serves it; 16 Triton did not answer), the reason in --termination-log.
+    kept it LOADING, or still serves it; 16 Triton did not answer); 2 at start: a port in use, an unreadable
+    --auth-token-file, --tls-cert or --tls-key; 1 unexpected error (a bug: its traceback is logged). The reason
+    goes to --termination-log.
     """
     from tritonshare.proxy.server import run
     from tritonshare.proxy.settings import ProxySettings

@@ -9,6 +9,7 @@ depend on where TCP happened to split the bytes.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -422,3 +423,42 @@ def test_a_frame_trickled_in_tiny_reads_is_kept_in_one_buffer_and_relayed_whole(
     to_triton, _, _ = asyncio.run(relay([start], pieces))
     assert max(kept) <= 2  # the header's view and one growing buffer
     assert bytes(client_streams(to_triton)[1].data) == big
+
+
+def test_an_unreachable_triton_is_logged_once_per_outage_and_counted_per_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Regression: every client connection opened while Triton's gRPC port was down logged its own warning — a
+    restarting Triton (down as long as its models take to load) and clients reconnecting made a line each."""
+
+    async def scenario() -> None:
+        state = ProxyState(ProxySettings(name="own", triton_grpc="127.0.0.1:1"))
+        # Triton's port at each client connection in turn: refused thrice, open, silent (a connect timeout) twice
+        up: list[BaseException | None] = [ConnectionRefusedError(111, "Connection refused")] * 3
+        up += [None, TimeoutError(), TimeoutError()]
+
+        async def open_upstream(factory: Callable[[], UpstreamConnection]) -> UpstreamConnection:
+            if (down := up.pop(0)) is not None:
+                raise down
+            upstream = factory()
+            upstream.connection_made(Recorder())  # type: ignore[arg-type]
+            return upstream
+
+        frontend = GrpcFrontend(state, open_upstream=open_upstream)
+        for _ in range(6):
+            connection = ClientConnection(frontend, state)
+            connection.connection_made(Recorder())  # type: ignore[arg-type]
+            connection.data_received(http2.PREFACE + http2.settings())
+            for _ in range(10):  # Triton's connection opens, or is refused (task, wait_for)
+                await asyncio.sleep(0)
+        assert state.metrics._upstream_errors == {"grpc": 5}
+
+    with caplog.at_level(logging.INFO, logger="tritonshare.proxy.grpc_opening"):
+        asyncio.run(scenario())
+    said = [r.getMessage() for r in caplog.records if r.name == "tritonshare.proxy.grpc_opening"]
+    down = (
+        "Triton gRPC at 127.0.0.1:1 is unreachable ([Errno 111] Connection refused): answering UNAVAILABLE until it "
+        "is back"
+    )
+    silent = "Triton gRPC at 127.0.0.1:1 is unreachable (connect timeout): answering UNAVAILABLE until it is back"
+    assert said == [down, "Triton gRPC at 127.0.0.1:1 is reachable again", silent]

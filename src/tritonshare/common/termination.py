@@ -20,11 +20,25 @@ def container_default() -> Path | None:
     return DEFAULT_PATH if os.getpid() == 1 else None
 
 
+# What the kubelet reads of the file: its LAST 4096 bytes (kubelet's tail.ReadAtMost). A longer message would lose
+# its beginning, the part that says what failed; so it is cut to fit, by bytes (UTF-8), from its end.
+MAX_BYTES = 4096
+
+
 def write_termination_message(message: str, path: Path | None = DEFAULT_PATH) -> None:
     if path is None:
         return
     try:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(message[:4000] + "\n")  # the kubelet keeps at most 4096 bytes
+        with open(path, "wb") as fh:
+            fh.write(fit(message))
     except OSError as exc:
         logger.debug("termination message not written to %s: %s", path, exc)
+
+
+def fit(message: str, limit: int = MAX_BYTES) -> bytes:
+    """``message`` and a newline in at most ``limit`` bytes of UTF-8: cut at a character, marked with "…"."""
+    data = message.encode("utf-8", errors="replace") + b"\n"
+    if len(data) <= limit:
+        return data
+    cut = data[: limit - len("…\n".encode())].decode("utf-8", errors="ignore")  # a character cut in two goes
+    return (cut + "…\n").encode()

@@ -94,16 +94,26 @@ class UpstreamOpening:
                 self._open_upstream(self._new_upstream), self._state.settings.connect_timeout_s
             )
         except (OSError, TimeoutError) as exc:
-            self._state.metrics.upstream_error(PROTOCOL)
-            logger.warning(
-                "Triton gRPC at %s is unreachable (%s): answering UNAVAILABLE",
-                self._upstream_address,
-                exc or "connect timeout",
-            )
+            self._unreachable(exc)
             self._connection.opened(None, self._held)
             return
+        if self._state.grpc_unreachable:
+            self._state.grpc_unreachable = False
+            logger.info("Triton gRPC at %s is reachable again", self._upstream_address)
         if self._client.is_closing():
             if upstream.transport is not None:
                 upstream.transport.close()
             return
         self._connection.opened(upstream, self._held)
+
+    def _unreachable(self, exc: Exception) -> None:
+        """Counted each time (``tritonshare_proxy_upstream_errors_total``), logged once per outage: a Triton that
+        restarts is down for as long as its models take to load, and every client's reconnect lands here."""
+        self._state.metrics.upstream_error(PROTOCOL)
+        if not self._state.grpc_unreachable:
+            self._state.grpc_unreachable = True
+            logger.warning(
+                "Triton gRPC at %s is unreachable (%s): answering UNAVAILABLE until it is back",
+                self._upstream_address,
+                str(exc) or "connect timeout",
+            )

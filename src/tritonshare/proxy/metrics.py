@@ -105,6 +105,13 @@ class RouteMeter:
         if flight.value == 0 and flight.on_idle is not None:
             flight.on_idle()
 
+    def count(self, code: str) -> None:
+        """An answer with ``code`` the proxy gave itself instead of serving the request (a refusal): counted, but
+        not timed — its few microseconds in the latency histogram, which has no code label, would pull the served
+        requests' quantiles towards zero exactly when refusals abound (throttling, a client without a token)."""
+        codes = self.codes
+        codes[code] = codes.get(code, 0) + 1
+
     def record(self, code: str, seconds: float) -> None:
         """An answer with ``code`` after ``seconds`` (not counted in flight: refusals and local answers)."""
         codes = self.codes
@@ -137,6 +144,12 @@ class ProxyMetrics(Collector):
 
     def observe(self, protocol: str, route: str, code: str, seconds: float) -> None:
         self.meter(protocol, route).record(code, seconds)
+
+    def refused_answer(self, protocol: str, route: str, code: str, reason: str) -> None:
+        """A request refused with ``code`` by the proxy itself, without reaching Triton (not timed:
+        :meth:`RouteMeter.count`)."""
+        self.meter(protocol, route).count(code)
+        self.refused(protocol, route, reason)
 
     def refused(self, protocol: str, route: str, reason: str) -> None:
         key = (protocol, route, reason)
@@ -178,11 +191,11 @@ class ProxyMetrics(Collector):
         yield requests
         latency = HistogramMetricFamily(
             "tritonshare_proxy_request_duration_seconds",
-            "Time from request start to the end of its response.",
+            "Time from request start to the end of its response, of requests the proxy did not refuse itself.",
             labels=["model", "protocol", "route"],
         )
         for (protocol, route), meter in meters:
-            if meter.codes:  # a route judged but never answered yet has no latency to show
+            if any(meter.latency.counts):  # a route only ever refused, or not answered yet, has no latency to show
                 latency.add_metric([model, protocol, route], meter.latency.cumulative(), meter.latency.total)
         yield latency
         refusals = CounterMetricFamily(

@@ -45,7 +45,8 @@ _EMPTY_LINES = re.compile(rb"(?:\r\n)*")
 # request waiting for the current response, a request waiting for an admission slot, the client not reading.
 BACKLOG, ADMISSION, CLIENT_FULL = 4, 8, 16
 
-_REFUSAL_REASONS = {400: "bad_request", 403: "denied", 404: "not_found", 405: "method", 413: "too_large"}
+# The refusals' metrics label by the policy's status; a 404 is another model named, as gRPC's NOT_FOUND (same label).
+_REFUSAL_REASONS = {400: "bad_request", 403: "denied", 404: "other_model", 405: "method", 413: "too_large"}
 _PROBE_OK = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 0\r\n\r\n"  # as Triton answers
 _PROBE_OK_CLOSE = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 UNAVAILABLE = "the inference server is unavailable; retry later"

@@ -320,7 +320,7 @@ class UpstreamPool:
         try:
             await asyncio.wait_for(loop.create_connection(lambda: upstream, self.host, self.port), self.timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:
-            self.failed(f"cannot connect to Triton at {self.host}:{self.port}: {exc or 'timed out'}")
+            self.failed(f"cannot connect to Triton at {self.host}:{self.port}: {str(exc) or 'timed out'}")
             owner = upstream.owner
             upstream.close()
             if owner is not None:

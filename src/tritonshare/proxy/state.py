@@ -68,6 +68,8 @@ class ProxyState:
         self.auth = BearerTokens(settings.auth_token_file, registry=registry) if settings.auth_token_file else None
         self.tls = TlsCertificates.from_options(settings.tls_cert, settings.tls_key, registry=registry)
         self.draining = False
+        # Triton's gRPC port did not take the last connection tried: said once per outage, not per client connection
+        self.grpc_unreachable = False
         self.held = 0  # REST requests whose body is held for its check: not in flight yet, but a drain waits
         self.held_budget = HeldBudget(settings.max_held_bytes)  # the bytes they hold
         self.metrics.count_held(lambda: self.held_budget.held)
@@ -79,8 +81,7 @@ class ProxyState:
 
     def refuse(self, protocol: str, route: str, code: str, reason: str) -> None:
         """A request the proxy answered itself without reaching Triton."""
-        self.metrics.refused(protocol, route, reason)
-        self.metrics.observe(protocol, route, code, 0.0)
+        self.metrics.refused_answer(protocol, route, code, reason)
 
     def answered(self, protocol: str, route: str, code: str, started: float) -> None:
         """A request the proxy answered itself that is not a refusal (a probe)."""
