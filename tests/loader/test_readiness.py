@@ -70,6 +70,8 @@ def test_a_failing_model_is_reported_with_tritons_reason_well_before_the_deadlin
         wait_polled(client, model_name, timeout_s=120)
     assert time.monotonic() - started < 20
     assert e.value.exit_code == ExitCode.TRITON_LOAD_FAILED
+    assert str(e.value).endswith("fix the model at its source (config.pbtxt or files; Triton's log on the node has "
+                                 "the whole reason)")  # fmt: skip
     assert withdraw(layout, model_name, client, timeout_s=30) is Withdrawal.REMOVED
     assert not layout.model_dir(model_name).exists()
 
@@ -196,7 +198,9 @@ def test_explicit_mode_loads_and_the_model_is_ready(explicit_triton: tuple[Trito
 def test_explicit_mode_reports_tritons_reason(explicit_triton: tuple[TritonServer, NodeLayout]) -> None:
     server, layout = explicit_triton
     publish_model(layout, "broken", model_py=BROKEN_MODEL)
-    with pytest.raises(TritonLoadFailed, match=r"Triton failed to load broken: .*this model refuses to load"):
+    with pytest.raises(
+        TritonLoadFailed, match=r"Triton failed to load broken: .*this model refuses to load.* — fix the model at its"
+    ):
         load_explicitly(TritonClient(server.url), "broken", timeout_s=60)
 
 

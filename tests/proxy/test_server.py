@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,33 @@ def test_a_port_in_use_exits_2_naming_the_port_and_the_option(tmp_path: Path, ta
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and f"choose another {taken}" in done.stderr
     assert "Traceback" not in done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in termination.read_text()  # the pod status says it too
+
+
+@pytest.mark.parametrize(
+    ("metrics_port", "said"), [("0", "no metrics port (--metrics-port 0)"), (None, "metrics on :")]
+)
+def test_the_start_up_line_says_whether_metrics_are_served(tmp_path: Path, metrics_port: str | None, said: str) -> None:
+    """`--metrics-port 0` turns metrics off: the start-up line says so rather than "metrics on :0"."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "staging").mkdir()
+    ports = {option: str(free_port()) for option in PORTS}
+    if metrics_port is not None:
+        ports["--metrics-port"] = metrics_port
+    args = [arg for option, value in ports.items() for arg in (option, value)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITONSHARE_")}
+    log = tmp_path / "proxy.log"
+    with open(log, "wb") as out:
+        proxy = subprocess.Popen(
+            [TRITONSHARE, "proxy", "--name", "m", "--host", "127.0.0.1", "--no-unload", *args,
+             "--repository", str(tmp_path / "models"), "--staging", str(tmp_path / "staging")],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while "serving model m" not in log.read_text() and proxy.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=30)
+    line = next(line for line in log.read_text().splitlines() if "serving model m" in line)
+    assert said in line and "metrics on :0" not in line

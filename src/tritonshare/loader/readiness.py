@@ -43,6 +43,8 @@ STALE_GRACE_S = 30.0  # twice Triton's default --repository-poll-secs (15)
 # is one GET of NAME's readiness, plus one read of the repository index while NAME is not ready.
 POLL_INTERVAL_S = 0.1
 SAY_EVERY_S = 30.0  # how often a wait logs what Triton says
+# what to do about a load Triton refused (exit 12): the model is at fault, not the node or the loader
+FIX_THE_MODEL = " — fix the model at its source (config.pbtxt or files; Triton's log on the node has the whole reason)"
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class PollWaiter:
             self.first_reason = reason
         trusted = self.picked_up or self.clock() - self.started >= self.stale_grace_s
         if reason and trusted:
-            raise TritonLoadFailed(f"Triton failed to load {self.name}: {clip(reason, 600)}")
+            raise TritonLoadFailed(f"Triton failed to load {self.name}: {clip(reason, 600)}{FIX_THE_MODEL}")
 
     def _timeout_message(self, seen: Look) -> str:
         since = "finding it already installed (reused)" if self.reused else "publishing"
@@ -179,7 +181,7 @@ def load_explicitly(
             f"Triton at {client.url} runs in POLL mode and refuses to load {name} when asked — use --mode poll"
         )
     if reply.status != 200:
-        raise TritonLoadFailed(f"Triton failed to load {name}: {reply.error_text()}")
+        raise TritonLoadFailed(f"Triton failed to load {name}: {clip(reply.error_text(), 600)}{FIX_THE_MODEL}")
     if not client.model_ready(name):
         raise TritonLoadFailed(f"Triton accepted the load of {name} but does not report it ready")
 

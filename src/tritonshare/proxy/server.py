@@ -92,14 +92,14 @@ async def serve(
         await frontend.start()
     await metrics.start()
     logger.info(
-        "serving model %s: REST on %s:%d, gRPC on %s:%d (%s), metrics on :%d; Triton at %s and %s; %s",
+        "serving model %s: REST on %s:%d, gRPC on %s:%d (%s), %s; Triton at %s and %s; %s",
         settings.name,
         settings.host,
         frontends[0].port,
         settings.host,
         frontends[1].port,
         "TLS" if state.tls else "plain text",
-        metrics.port,
+        f"metrics on :{metrics.port}" if metrics.port else "no metrics port (--metrics-port 0)",
         settings.triton_url,
         settings.triton_grpc,
         _controls(state),
