@@ -451,7 +451,7 @@ def test_an_unreachable_triton_is_logged_once_per_outage_and_counted_per_connect
             connection.data_received(http2.PREFACE + http2.settings())
             for _ in range(10):  # Triton's connection opens, or is refused (task, wait_for)
                 await asyncio.sleep(0)
-        assert state.metrics._upstream_errors == {"grpc": 5}
+        assert state.metrics._upstream_errors == {"rest": 0, "grpc": 5}
 
     with caplog.at_level(logging.INFO, logger="tritonshare.proxy.grpc_opening"):
         asyncio.run(scenario())

@@ -89,7 +89,25 @@ def test_plain_counters_export_as_prometheus_families() -> None:
     assert abs(value(hist, hist + "_sum") - 50.0041) < 1e-9
     assert value("tritonshare_proxy_refusals", "tritonshare_proxy_refusals_total", reason="not_found") == 1
     assert value("tritonshare_proxy_inflight_requests", "tritonshare_proxy_inflight_requests", protocol="rest") == 1
-    assert value("tritonshare_proxy_upstream_errors", "tritonshare_proxy_upstream_errors_total") == 1
+    errors = "tritonshare_proxy_upstream_errors"
+    assert value(errors, errors + "_total", protocol="grpc") == 1
+    assert value(errors, errors + "_total", protocol="rest") == 0  # there from the start: increase() sees a first one
+
+
+def test_upstream_errors_are_exported_at_zero_before_the_first() -> None:
+    """A counter series that appears at 1 has no increase for rate()/increase() to see: an alert on Triton being
+    unreachable would miss the first outage of a proxy's life."""
+    from tritonshare.proxy.metrics import ProxyMetrics
+
+    text = ProxyMetrics("m").exposition().decode()
+    samples = {
+        (s.name, s.labels.get("protocol")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if family.name == "tritonshare_proxy_upstream_errors"
+    }
+    name = "tritonshare_proxy_upstream_errors_total"
+    assert samples == {(name, "rest"): 0, (name, "grpc"): 0}
 
 
 def test_refusals_are_counted_but_not_timed() -> None:

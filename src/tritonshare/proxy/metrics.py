@@ -129,7 +129,8 @@ class ProxyMetrics(Collector):
         self._meters: dict[tuple[str, str], RouteMeter] = {}  # (protocol, route)
         self._refusals: dict[tuple[str, str, str], int] = {}  # (protocol, route, reason)
         self._inflight: dict[str, Inflight] = {}
-        self._upstream_errors: dict[str, int] = {}
+        # at 0 from the start, so that increase() and rate() see the first failure (a series appearing at 1 has none)
+        self._upstream_errors: dict[str, int] = {"rest": 0, "grpc": 0}
         self._connections: dict[str, Callable[[], int]] = {}  # protocol → its front end's count
         self._held: Callable[[], int] | None = None  # request bytes held to check them (proxy/held.py)
         self.registry.register(self)
