@@ -47,21 +47,18 @@ def unload_settings(layout: NodeLayout, url: str, name: str, holder: Holder | No
     )
 
 
-def test_unload_leaves_the_folder_and_drops_the_lease_while_triton_does_not_answer(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_unload_leaves_the_folder_and_drops_the_lease_while_triton_does_not_answer(tmp_path: Path) -> None:
     layout = node(tmp_path)
     folder = publish(layout, "m")
     leases = LeaseStore(layout.leases)
     leases.acquire("m", POD_A)
     down = f"http://127.0.0.1:{free_port()}"
-    with caplog.at_level(logging.WARNING, logger="tritonshare.common.unload"):
-        result = unload_model(unload_settings(layout, down, "m", POD_A, timeout_s=0.5))
+    result = unload_model(unload_settings(layout, down, "m", POD_A, timeout_s=0.5))
     assert result.exit_code == ExitCode.TRITON_UNAVAILABLE and not result.removed
     assert folder.is_dir() and os.listdir(layout.staging) == []
     assert leases.leases("m") == []  # this pod's lease is gone: gc may take the folder once Triton answers
-    assert f"{folder} stays in the repository: Triton at {down} does not answer" in caplog.text
-    assert "this pod's lease on it is dropped — gc removes it once Triton answers" in caplog.text
+    assert result.reason.startswith(f"{folder} stays in the repository: Triton at {down} does not answer")
+    assert "this pod's lease on it is dropped — gc removes it once Triton answers" in result.reason
 
 
 def test_unload_judges_another_pods_lease_by_the_default_ttl_at_least(tmp_path: Path, triton: TritonServer) -> None:
@@ -77,7 +74,7 @@ def test_unload_judges_another_pods_lease_by_the_default_ttl_at_least(tmp_path: 
 
 
 def test_without_a_pod_identity_unload_refuses_a_model_pods_hold_unless_forced(
-    tmp_path: Path, triton: TritonServer, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, triton: TritonServer
 ) -> None:
     """An operator at a shell (no --pod-uid) must not take a model from under the pods serving it by mistake."""
     layout = node(tmp_path)
@@ -86,7 +83,7 @@ def test_without_a_pod_identity_unload_refuses_a_model_pods_hold_unless_forced(
     refused = unload_model(unload_settings(layout, triton.url, "m", None, timeout_s=5))
     assert refused.exit_code == ExitCode.INSTALL_CONFLICT and not refused.removed and folder.is_dir()
     assert "in use by team-b/resnet-b (unload-pod-b) (fresh leases)" in refused.reason
-    assert "pass --force" in caplog.text
+    assert "pass --force" in refused.reason
     forced = unload_model(dataclasses.replace(unload_settings(layout, triton.url, "m", None, timeout_s=5), force=True))
     assert forced.removed and forced.exit_code == ExitCode.OK and not folder.exists()
 
@@ -225,12 +222,14 @@ def test_a_failed_unload_command_says_why_in_its_termination_log(tmp_path: Path,
     done = unload_command(layout, down, message, "--pod-uid", POD_A.uid, "--timeout-s", "0.5")
     assert done.returncode == ExitCode.TRITON_UNAVAILABLE, done.stderr
     assert message.read_text().startswith(f"{folder} stays in the repository: Triton at {down} does not answer")
+    assert done.stderr.count("stays in the repository") == 1, done.stderr  # logged once, as the exit's reason
 
     message.unlink()
     LeaseStore(layout.leases).acquire("m", Holder(uid="unload-pod-b", name="resnet-b", namespace="team-b"))
     done = unload_command(layout, triton.url, message, "--timeout-s", "5")  # an operator: no --pod-uid
     assert done.returncode == ExitCode.INSTALL_CONFLICT, done.stderr
     assert message.read_text().startswith("m stays in the repository: in use by team-b/resnet-b (unload-pod-b)")
+    assert done.stderr.count("stays in the repository") == 1, done.stderr
     assert folder.is_dir()
 
 

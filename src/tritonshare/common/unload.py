@@ -173,7 +173,6 @@ def _kept(settings: UnloadSettings, taken: _Taken) -> UnloadResult:
         f"{settings.name} stays in the repository: in use by {', '.join(taken.in_use_by)} (fresh leases) — delete "
         "those pods (their unload removes it), or pass --force to remove it from under them"
     )
-    logger.warning("%s", reason)
     return UnloadResult(removed=False, unloaded=False, refused=True, reason=reason)
 
 
@@ -193,7 +192,6 @@ def _left(settings: UnloadSettings, seen: Activity) -> UnloadResult:
         f"(waited {settings.timeout_s:.0f}s){dropped} — gc removes it once Triton answers and no pod holds a lease "
         "on it, or run unload again later"
     )
-    logger.warning("%s", reason)
     return UnloadResult(removed=False, unloaded=False, left=seen, reason=reason)
 
 
