@@ -28,7 +28,6 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -42,13 +41,12 @@ from tritonshare.common.errors import (
 )
 from tritonshare.loader.sources.base import (
     Checksum,
-    Progress,
     RemoteObject,
     bucket_and_key,
     folder_or_object,
     register,
 )
-from tritonshare.loader.sources.stream import Body, Part, RangeSupport, fetch_stream
+from tritonshare.loader.sources.stream import Body, Part, RangeSupport, TransportSource
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, transport_error
 
 logger = logging.getLogger(__name__)
@@ -128,7 +126,7 @@ def _auth_errors() -> tuple[type[Exception], ...]:
 
 
 @register("gs")
-class GcsSource:
+class GcsSource(TransportSource):
     def __init__(
         self, uri: str, *, environ: Mapping[str, str] = os.environ, transport: Transport | None = None
     ) -> None:
@@ -136,7 +134,7 @@ class GcsSource:
         self.bucket, self.key = bucket_and_key(uri, "gs://BUCKET/PREFIX")
         self.endpoint, emulated = endpoint_of(environ)
         self._auth = None if emulated else GoogleAuth(uri, environ=environ)
-        self._transport = transport or Transport()
+        super().__init__(transport or Transport())
         where = "the server at STORAGE_EMULATOR_HOST" if emulated else "the proxy between the node and GCS"
         self._range = RangeSupport(f"gs://{self.bucket}", f"check {where}, which drops Range or ignores it")
 
@@ -168,15 +166,6 @@ class GcsSource:
 
     def whole_checksum(self, obj: RemoteObject, stall_timeout_s: float) -> Checksum | None:
         return None  # the listing's CRC32C covers the whole object
-
-    def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
-        fetch_stream(self, obj, dest, progress, stall_timeout_s)
-
-    def abort(self) -> None:
-        self._transport.abort()
-
-    def close(self) -> None:
-        self._transport.close()
 
     def _list_folder(self, folder: str) -> Listing:
         what = f"gs://{self.bucket}/{folder}"

@@ -25,7 +25,6 @@ from __future__ import annotations
 import re
 from base64 import b64decode, b64encode
 from email.message import Message
-from pathlib import Path
 from typing import Literal
 from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
@@ -39,8 +38,8 @@ from tritonshare.common.errors import (
     UsageError,
     clip,
 )
-from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject, display_uri, register
-from tritonshare.loader.sources.stream import Body, Part, RangeSupport, fetch_stream
+from tritonshare.loader.sources.base import Checksum, RemoteObject, display_uri, register
+from tritonshare.loader.sources.stream import Body, Part, RangeSupport, TransportSource
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, failure_kind
 
 LIST_TIMEOUT_S = 60.0
@@ -64,7 +63,7 @@ def file_name(uri: str) -> str:
 
 
 @register("http", "https")
-class HttpSource:
+class HttpSource(TransportSource):
     def __init__(self, uri: str, *, transport: Transport | None = None) -> None:
         parts = urlsplit(uri)
         if not parts.hostname:
@@ -74,7 +73,7 @@ class HttpSource:
         self._url = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1]))  # what is fetched
         self._origin = _origin(self._url)
         self._auth = _basic_auth(parts.username, parts.password)
-        self._transport = transport or Transport()
+        super().__init__(transport or Transport())
         self._ranges = False  # the server said Accept-Ranges: bytes
         self._range = RangeSupport(
             self.uri, "check the web server, or a proxy in front of it that drops Range", noun="server"
@@ -131,15 +130,6 @@ class HttpSource:
 
     def whole_checksum(self, obj: RemoteObject, stall_timeout_s: float) -> Checksum | None:
         return None  # a server states none beyond what a whole answer's headers say
-
-    def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
-        fetch_stream(self, obj, dest, progress, stall_timeout_s)
-
-    def abort(self) -> None:
-        self._transport.abort()
-
-    def close(self) -> None:
-        self._transport.close()
 
     def _headers(self) -> Message:
         response = self._follow("HEAD", self._url, HEADERS, LIST_TIMEOUT_S, self.uri)

@@ -49,7 +49,6 @@ import xml.etree.ElementTree as ElementTree
 from base64 import b64decode
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 from urllib.parse import quote, urlsplit
 
@@ -64,14 +63,13 @@ from tritonshare.common.errors import (
 )
 from tritonshare.loader.sources.base import (
     Checksum,
-    Progress,
     RemoteObject,
     bucket_and_key,
     folder_or_object,
     register,
 )
 from tritonshare.loader.sources.s3_auth import DEFAULT_REGION, DENIED_HINT, CredentialChain, Signer
-from tritonshare.loader.sources.stream import Body, Part, RangeSupport, fetch_stream
+from tritonshare.loader.sources.stream import Body, Part, RangeSupport, TransportSource
 from tritonshare.loader.sources.transport import NETWORK_ERRORS, Response, ResponseBody, Transport, transport_error
 
 logger = logging.getLogger(__name__)
@@ -141,7 +139,7 @@ def canonical_query(query: Mapping[str, str]) -> str:
 
 
 @register("s3")
-class S3Source:
+class S3Source(TransportSource):
     def __init__(
         self, uri: str, *, environ: Mapping[str, str] = os.environ, transport: Transport | None = None
     ) -> None:
@@ -149,7 +147,7 @@ class S3Source:
         self.bucket, self.key = bucket_and_key(uri, "s3://BUCKET/PREFIX")
         self._environ = environ
         self._credentials = CredentialChain(environ, uri)
-        self._transport = transport or Transport(ca_file=environ.get("AWS_CA_BUNDLE") or None)
+        super().__init__(transport or Transport(ca_file=environ.get("AWS_CA_BUNDLE") or None))
         self._signer: Signer | None = None
         self._endpoint: Endpoint | None = None
         self._lock = threading.Lock()
@@ -203,15 +201,6 @@ class S3Source:
         signed = {"x-amz-checksum-mode": "ENABLED"}
         with self._request("HEAD", obj.key, {}, signed, pinned, stall_timeout_s, what) as response:
             return flexible_checksum(response)
-
-    def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
-        fetch_stream(self, obj, dest, progress, stall_timeout_s)
-
-    def abort(self) -> None:
-        self._transport.abort()
-
-    def close(self) -> None:
-        self._transport.close()
 
     def _list_folder(self, folder: str) -> Listing:
         what = f"s3://{self.bucket}/{folder}"

@@ -18,13 +18,17 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tritonshare.common.errors import RangeIgnored
 from tritonshare.loader.sources.base import Checksum, Progress, RemoteObject
+
+if TYPE_CHECKING:
+    from tritonshare.loader.sources.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +137,33 @@ def fetch_stream(
         copy_to_file(body.readinto, dest, progress)
     finally:
         body.close()
+
+
+class TransportSource(ABC):
+    """What the network sources (S3, GCS, HTTP) share: their requests go through one :class:`Transport`, which
+    :meth:`abort` ends from another thread and :meth:`close` closes, and ``Source.fetch`` is
+    :func:`fetch_stream` over their own :meth:`open`."""
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+
+    @abstractmethod
+    def open(self, obj: RemoteObject, stall_timeout_s: float, part: Part | None = None) -> Body: ...
+
+    @abstractmethod
+    def ranged(self, obj: RemoteObject) -> bool: ...
+
+    @abstractmethod
+    def whole_checksum(self, obj: RemoteObject, stall_timeout_s: float) -> Checksum | None: ...
+
+    def fetch(self, obj: RemoteObject, dest: Path, progress: Progress, stall_timeout_s: float) -> None:
+        fetch_stream(self, obj, dest, progress, stall_timeout_s)
+
+    def abort(self) -> None:
+        self._transport.abort()
+
+    def close(self) -> None:
+        self._transport.close()
 
 
 def copy_to_file(read_into: ReadInto, dest: Path, progress: Progress, *, chunk_bytes: int = CHUNK_BYTES) -> int:
