@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import time
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.install import install_model
+from tests.support.metrics_pages import MetricsPort
 from tests.support.ports import free_port
 from tests.support.triton import REPO_ROOT, TritonServer
 from tritonshare.common.layout import NodeLayout
@@ -169,6 +171,22 @@ def test_unreachable_triton_gives_up_zero_and_no_series(caplog: pytest.LogCaptur
     assert "nv_" not in page
     warnings = [r for r in caplog.records if "check --triton-metrics-url" in r.getMessage()]
     assert len(warnings) == 1  # said once, not at every scrape
+
+
+def test_a_slow_metrics_port_is_given_up_at_the_deadline_and_its_answer_kept() -> None:
+    slow = MetricsPort.dripping()  # a byte every 0.5 s: each read is in time, the page never is
+    try:
+        metrics = TritonModelMetrics(slow.url, "m", timeout_s=1.0, ttl_s=0.5)
+        started = time.monotonic()
+        page = metrics.exposition().decode()
+        took = time.monotonic() - started
+        again = metrics.exposition().decode()  # within ttl_s of the answer, though not of the question
+
+        assert took < 3.0, f"the scrape took {took:.1f}s"
+        assert page.splitlines()[-1] == 'tritonshare_proxy_triton_metrics_up{model="m"} 0.0'
+        assert (again, slow.accepted) == (page, 1)
+    finally:
+        slow.close()
 
 
 @pytest.mark.triton

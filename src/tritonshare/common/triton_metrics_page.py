@@ -7,7 +7,11 @@ find the page at the same default address: Triton's host at Triton's default ``-
 from __future__ import annotations
 
 import http.client
+import socket
+import threading
 import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -28,25 +32,55 @@ def default_metrics_url(triton_url: str) -> str:
 
 
 def fetch_page(url: str, *, timeout_s: float) -> str:
-    """The metrics page at ``url`` as text; :class:`TritonUnavailable` when it cannot be read."""
+    """The metrics page at ``url`` as text, whole within ``timeout_s`` (connecting takes up to ``timeout_s`` more);
+    :class:`TritonUnavailable` when it cannot be read so.
+
+    ``timeout_s`` bounds the whole answer, not each read: a port that sends its page a byte at a time, each
+    within a read timeout, would otherwise hold the reader for as long as it likes (a proxy's scrapes then
+    pile up behind it, each holding a thread and a connection of the metrics port)."""
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise TritonUnavailable(f"Triton metrics URL {url!r} is not http(s)://HOST[:PORT]/PATH")
     cls = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
     conn = cls(parsed.hostname, parsed.port, timeout=timeout_s)
+    late = threading.Event()
     try:
-        conn.request("GET", parsed.path or "/metrics", headers={"Accept": "text/plain"})
-        reply = conn.getresponse()
-        page = reply.read(MAX_PAGE_BYTES + 1)
+        conn.connect()
+        with _cut_at(conn.sock, timeout_s, late):
+            conn.request("GET", parsed.path or "/metrics", headers={"Accept": "text/plain"})
+            reply = conn.getresponse()
+            page = reply.read(MAX_PAGE_BYTES + 1)
     except (OSError, http.client.HTTPException) as exc:
+        if late.is_set():
+            raise TritonUnavailable(f"GET {url}: no whole page within {timeout_s:g}s") from exc
         raise TritonUnavailable(f"GET {url}: {exc or type(exc).__name__}") from exc
     finally:
         conn.close()
+    if late.is_set():  # the page may look whole: one without a length ends where the socket was cut
+        raise TritonUnavailable(f"GET {url}: no whole page within {timeout_s:g}s")
     if reply.status != 200:
         raise TritonUnavailable(f"GET {url}: HTTP {reply.status}: {clip(page.decode('utf-8', 'replace'))}")
     if len(page) > MAX_PAGE_BYTES:
         raise TritonUnavailable(f"GET {url}: page larger than {MAX_PAGE_BYTES} bytes")
     return page.decode("utf-8", errors="replace")
+
+
+@contextmanager
+def _cut_at(sock: socket.socket, timeout_s: float, late: threading.Event) -> Iterator[None]:
+    """Shut ``sock`` down once ``timeout_s`` has passed (setting ``late``): a read blocked on it returns."""
+
+    def cut() -> None:
+        late.set()
+        with suppress(OSError):  # closed meanwhile
+            sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(timeout_s, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def samples_named(text: str, names: frozenset[str], *, url: str) -> list[Sample]:

@@ -10,8 +10,9 @@ The result is Prometheus text rendered here rather than a ``prometheus_client`` 
 client library renames every counter to ``<name>_total`` on output, and the series must keep Triton's own
 names so NVIDIA's dashboards and autoscaling rules work unchanged.
 
-Fetching blocks for up to ``timeout_s``: call :meth:`TritonModelMetrics.exposition` off the event loop
-(``asyncio.to_thread``). A failed scrape yields only ``tritonshare_proxy_triton_metrics_up 0``.
+Fetching blocks for up to ``timeout_s`` for the whole page (plus as much to connect): call
+:meth:`TritonModelMetrics.exposition` off the event loop (``asyncio.to_thread``). A failed scrape yields only
+``tritonshare_proxy_triton_metrics_up 0``.
 """
 
 from __future__ import annotations
@@ -72,10 +73,10 @@ class TritonModelMetrics:
     def exposition(self) -> bytes:
         """Prometheus text (format 0.0.4) of the own model's Triton series plus the ``up`` gauge."""
         with self._lock:  # concurrent scrapes share one fetch
-            now = self._clock()
-            if self._cached is None or now >= self._expires:
+            if self._cached is None or self._clock() >= self._expires:
                 self._cached = self._scrape()
-                self._expires = now + self.ttl_s
+                # Kept from when the answer came: scrapes that waited for a slow one take it, not a fetch each.
+                self._expires = self._clock() + self.ttl_s
             return self._cached
 
     def _scrape(self) -> bytes:
