@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import time
+import tracemalloc
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from tests.support.ports import free_port
 from tests.support.triton import REPO_ROOT, TritonServer
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.unload import UnloadSettings, unload_model
-from tritonshare.proxy.triton_metrics import TritonModelMetrics, default_url, own_model_series
+from tritonshare.proxy.triton_metrics import TritonModelMetrics, default_url, own_model_series, up_gauge
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,48 @@ def test_a_slow_metrics_port_is_given_up_at_the_deadline_and_its_answer_kept() -
         assert (again, slow.accepted) == (page, 1)
     finally:
         slow.close()
+
+
+def crowded_page(tenants: int) -> str:
+    """A page of ``tenants`` other models, and model ``m`` in a few families, with every trap of the text format:
+    a name that is a prefix of others (m1, m10…), another model's series whose other label is ``"m"``, a HELP
+    text quoting "m" for a family with none of its series, escapes in label values and help."""
+    families = [f"nv_inference_family_{i}" for i in range(20)]
+    out = []
+    for i, family in enumerate(families):
+        ours = i % 5 == 0
+        said = "" if ours else '; a tenant wrote "m" and model=\\"m\\" here'
+        out.append(f"# HELP {family} about {family}{said}\n")
+        out.append(f"# TYPE {family} counter\n")
+        out.append("# a comment of no family\n")
+        out.extend(f'{family}{{model="m{t}",version="1"}} {t}\n' for t in range(tenants))
+        out.append(f'{family}{{model="other",note="m"}} 1\n')
+        if ours:
+            out.append(f'{family}{{model="m",version="{i}",note="say \\"hi\\"\\n"}} {i}\n')
+    return "".join(out)
+
+
+def test_a_large_page_is_filtered_as_it_is_read_with_the_same_result() -> None:
+    """Other tenants' series are dropped line by line as the page comes: what the proxy holds and parses is
+    its own model's part, however large the page (any tenant's Python model can grow it with custom metrics)."""
+    page = crowded_page(8000)  # about 8 MiB
+    port = MetricsPort(page.encode())
+    try:
+        metrics = TritonModelMetrics(port.url, "m", timeout_s=20, ttl_s=0)
+        tracemalloc.start()
+        try:
+            answer = metrics.exposition().decode()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    finally:
+        port.close()
+
+    assert len(page) > 8_000_000
+    assert answer == own_model_series(page, "m") + up_gauge("m", True)
+    assert answer.count('model="m"') == 4 + 1  # and the up gauge's
+    assert "m0" not in answer and "other" not in answer and "tenant wrote" not in answer
+    assert peak < 4 * 1024 * 1024, f"held {peak / 2**20:.0f} MiB to read an {len(page) / 2**20:.0f} MiB page"
 
 
 @pytest.mark.triton
