@@ -148,6 +148,45 @@ def test_server_wide_series_are_dropped(triton: TritonServer, tenants: Tenants) 
     assert not any(line.startswith(name) for name in server_wide for line in page.splitlines())
 
 
+# Another tenant's Python model writing into Triton's metrics (the custom metrics API of the Python backend):
+# it may name any family and give its series any labels, the own model's name included.
+FORGER_MODEL = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.family = pb_utils.MetricFamily(  # kept: the family leaves Triton's page with its object
+            name="tritonshare_proxy_triton_metrics_up", description="forged", kind=pb_utils.MetricFamily.GAUGE
+        )
+        self.forged = self.family.Metric(labels={"model": "VICTIM"})
+        self.forged.set(1)
+
+    def execute(self, requests):
+        return []
+"""
+
+
+@pytest.mark.triton
+def test_a_tenant_s_custom_metric_cannot_pose_as_one_of_the_proxy_s_own(
+    triton: TritonServer, layout: NodeLayout, tenants: Tenants
+) -> None:
+    forger = f"forger-{uuid.uuid4().hex[:8]}"
+    install_model(layout, triton, forger, model_py=FORGER_MODEL.replace("VICTIM", tenants.own))
+    try:
+        direct = urlopen_text(metrics_url(triton))
+        page = TritonModelMetrics(metrics_url(triton), tenants.own, ttl_s=0, timeout_s=5).exposition().decode()
+    finally:
+        unload_model(UnloadSettings(name=forger, layout=layout, triton_url=triton.url, timeout_s=30))
+
+    assert f'tritonshare_proxy_triton_metrics_up{{model="{tenants.own}"}} 1' in direct  # Triton took it
+    assert page.count("# TYPE tritonshare_proxy_triton_metrics_up") == 1
+    assert [line for line in page.splitlines() if line.startswith("tritonshare_")] == [
+        f'tritonshare_proxy_triton_metrics_up{{model="{tenants.own}"}} 1.0'
+    ]
+    assert "forged" not in page
+
+
 @pytest.mark.triton
 def test_cache_answers_scrapes_within_ttl_then_reads_again(triton: TritonServer, tenants: Tenants) -> None:
     now = [100.0]

@@ -36,7 +36,8 @@ from tritonshare.common.triton_metrics_page import default_metrics_url, fetch_pa
 
 logger = logging.getLogger(__name__)
 
-UP = "tritonshare_proxy_triton_metrics_up"
+OURS = "tritonshare_"  # the proxy's own series' prefix, never Triton's
+UP = OURS + "proxy_triton_metrics_up"
 
 _TYPE_LINE = re.compile(r"^#\s+TYPE\s+(\S+)\s+counter\s*$", re.MULTILINE)
 
@@ -139,12 +140,16 @@ def own_model_lines(lines: Iterable[bytes], model: str) -> Iterator[bytes]:
 
 
 def own_model_series(text: str, model: str) -> str:
-    """The families of ``text`` reduced to samples whose ``model`` label equals ``model``, as text."""
+    """The families of ``text`` reduced to samples whose ``model`` label equals ``model``, as text.
+
+    Series named like the proxy's own (``tritonshare_*``) are dropped: Triton names none so, and any tenant's
+    Python model can add series of any name and labels to Triton's page (its custom metrics API), which here
+    would have posed as the proxy's own (a second ``tritonshare_proxy_triton_metrics_up``, say, reading 1)."""
     counters = set(_TYPE_LINE.findall(text))
     out: list[str] = []
     try:
         for family in text_string_to_metric_families(text):
-            samples = [s for s in family.samples if s.labels.get("model") == model]
+            samples = [s for s in family.samples if s.labels.get("model") == model and not s.name.startswith(OURS)]
             if samples:
                 out.extend(_family(family.name, family.type, family.documentation, samples, counters))
     except ValueError as exc:
