@@ -291,7 +291,8 @@ def unload(
 @option(
     "--triton-metrics-url",
     default=None,
-    help="Triton's metrics page, re-exported for NAME only on /metrics.  [default: Triton's host, port 8002; '' = off]",
+    help="Triton's metrics page, re-exported for NAME only on /metrics (read within --connect-timeout-s, else "
+    "reported down).  [default: Triton's host, port 8002; '' = off]",
 )
 @option(
     "--drain-timeout-s",

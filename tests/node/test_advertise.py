@@ -65,7 +65,7 @@ class FakeApiServer:
         return [s for s in self.seen if s.method == "PATCH"]
 
     def start(self) -> FakeApiServer:
-        server = ThreadingHTTPServer(("127.0.0.1", free_port()), _handler(self))
+        server = ThreadingHTTPServer(("127.0.0.1", self.port or free_port()), _handler(self))
         if self.tls is not None:
             server.socket = self.tls.wrap_socket(server.socket, server_side=True)
         self._server = server
@@ -266,12 +266,46 @@ def test_server_error_is_an_api_error_quoting_the_server(api: FakeApiServer, tok
     api.fail["PATCH"] = (500, "etcdserver: request timed out")
 
     with pytest.raises(KubeApiError, match="HTTP 500: etcdserver: request timed out"):
+        run(settings_for(api, token, retry_for_s=1), reader=FakeGpu(1024))
+    assert len(api.patches()) >= 2  # retried before giving up
+
+
+@pytest.mark.parametrize(("status", "message"), [(503, "etcdserver: leader changed"), (429, "too many requests")])
+def test_a_busy_api_server_is_retried_until_it_answers(
+    api: FakeApiServer, token: Path, status: int, message: str
+) -> None:
+    """As an init container with --best-effort, giving up at once left the node without the resource until
+    Triton's pod restarted: every model pod requesting it unschedulable there."""
+    api.fail["GET"] = (status, message)
+    threading.Timer(1.0, api.fail.clear).start()
+
+    assert run(settings_for(api, token), reader=FakeGpu(4096)) == ExitCode.OK
+    assert api.nodes[NODE]["status"]["capacity"][RESOURCE] == "4096"
+    assert len([s for s in api.seen if s.method == "GET"]) >= 2
+
+
+def test_an_api_server_that_comes_up_late_is_waited_for(token: Path) -> None:
+    late = FakeApiServer(nodes={NODE: node()}, port=free_port())  # nothing listens there yet
+    threading.Timer(1.0, late.start).start()
+    try:
+        assert run(settings_for(late, token), reader=FakeGpu(4096)) == ExitCode.OK
+        assert late.nodes[NODE]["status"]["allocatable"][RESOURCE] == "4096"
+    finally:
+        late.stop()
+
+
+def test_permissions_are_not_retried(api: FakeApiServer, token: Path) -> None:
+    api.fail["GET"] = (403, "forbidden")
+
+    with pytest.raises(KubeForbidden):
         run(settings_for(api, token), reader=FakeGpu(1024))
+    assert len(api.seen) == 1
 
 
 def test_unreachable_api_names_the_url(token: Path) -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    settings = AdvertiseSettings(node_name=NODE, kube=KubeConfig(api_url=url, token_path=token, timeout_s=2))
+    kube = KubeConfig(api_url=url, token_path=token, timeout_s=2)
+    settings = AdvertiseSettings(node_name=NODE, kube=kube, retry_for_s=0)
 
     with pytest.raises(KubeUnavailable, match=rf"Kubernetes API at {url} did not answer GET .*KUBERNETES_SERVICE_HOST"):
         run(settings, reader=FakeGpu(1024))
@@ -471,8 +505,8 @@ def test_https_with_the_cluster_ca(tls_api: FakeApiServer, token: Path, pki: Pki
 
 
 def test_https_refuses_a_server_the_ca_did_not_sign(tls_api: FakeApiServer, token: Path) -> None:
-    with pytest.raises(KubeUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
-        run(settings_for(tls_api, token), reader=FakeGpu(1024))  # system trust store only
+    with pytest.raises(KubeUnavailable, match="not signed by the CA in the system trust store .*--kube-ca-path"):
+        run(settings_for(tls_api, token), reader=FakeGpu(1024))  # system trust store only; not retried
     assert tls_api.patches() == []
 
 

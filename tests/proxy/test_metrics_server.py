@@ -16,6 +16,7 @@ from tests.proxy.conftest import RecordingModel, ServedModels
 from tests.proxy.test_overload import LIVE, _metric, _until
 from tests.proxy.test_rest import Raw
 from tests.proxy.test_rest_access import get, infer
+from tests.support.metrics_pages import MetricsPort
 from tests.support.proxy import ProxyProcess
 from tritonshare.proxy.metrics_server import MAX_CONNECTIONS
 
@@ -105,3 +106,35 @@ def test_a_flood_of_silent_connections_to_the_metrics_port_is_capped_and_probes_
         for sock in silent + flood:
             sock.close()
     _until(lambda: get(proxy.metrics_port, "/v2/health/live")[0] == 200)
+
+
+def test_scrapes_waiting_on_a_slow_triton_metrics_port_are_answered_within_the_scrape_timeout(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
+) -> None:
+    """Triton's part of the page is given up at the proxy's deadline (--connect-timeout-s, 2 s): the scrapes
+    are answered within the PodMonitor's 5 s scrapeTimeout, Triton's series reported down. They waited for the
+    page to end, each holding a thread and a connection of the metrics port, the connections that the probe
+    needs once 64 are held."""
+    slow = MetricsPort.dripping()
+    try:
+        proxy = start_proxy(served_models.own, "--no-unload", "--triton-metrics-url", slow.url)
+        took: list[float] = []
+        scrapes = [threading.Thread(target=_scrape, args=(proxy, took)) for _ in range(12)]
+        for scrape in scrapes:
+            scrape.start()
+        for scrape in scrapes:
+            scrape.join(timeout=30)
+
+        assert len(took) == 12 and max(took) < 5.0, took
+        assert slow.accepted <= 3, "scrapes that waited for a fetch take its answer, not a fetch each"
+        assert get(proxy.metrics_port, "/v2/health/ready")[0] == 200
+    finally:
+        slow.close()
+
+
+def _scrape(proxy: ProxyProcess, took: list[float]) -> None:
+    """One scrape; its time goes into ``took`` if it was answered with Triton's part reported down."""
+    started = time.monotonic()
+    status, _, body = get(proxy.metrics_port, "/metrics")
+    if status == 200 and f'tritonshare_proxy_triton_metrics_up{{model="{proxy.name}"}} 0.0'.encode() in body:
+        took.append(time.monotonic() - started)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import time
+import tracemalloc
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -21,11 +23,12 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.install import install_model
+from tests.support.metrics_pages import MetricsPort
 from tests.support.ports import free_port
 from tests.support.triton import REPO_ROOT, TritonServer
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.unload import UnloadSettings, unload_model
-from tritonshare.proxy.triton_metrics import TritonModelMetrics, default_url, own_model_series
+from tritonshare.proxy.triton_metrics import TritonModelMetrics, default_url, own_model_series, up_gauge
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,45 @@ def test_server_wide_series_are_dropped(triton: TritonServer, tenants: Tenants) 
     assert not any(line.startswith(name) for name in server_wide for line in page.splitlines())
 
 
+# Another tenant's Python model writing into Triton's metrics (the custom metrics API of the Python backend):
+# it may name any family and give its series any labels, the own model's name included.
+FORGER_MODEL = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.family = pb_utils.MetricFamily(  # kept: the family leaves Triton's page with its object
+            name="tritonshare_proxy_triton_metrics_up", description="forged", kind=pb_utils.MetricFamily.GAUGE
+        )
+        self.forged = self.family.Metric(labels={"model": "VICTIM"})
+        self.forged.set(1)
+
+    def execute(self, requests):
+        return []
+"""
+
+
+@pytest.mark.triton
+def test_a_tenant_s_custom_metric_cannot_pose_as_one_of_the_proxy_s_own(
+    triton: TritonServer, layout: NodeLayout, tenants: Tenants
+) -> None:
+    forger = f"forger-{uuid.uuid4().hex[:8]}"
+    install_model(layout, triton, forger, model_py=FORGER_MODEL.replace("VICTIM", tenants.own))
+    try:
+        direct = urlopen_text(metrics_url(triton))
+        page = TritonModelMetrics(metrics_url(triton), tenants.own, ttl_s=0, timeout_s=5).exposition().decode()
+    finally:
+        unload_model(UnloadSettings(name=forger, layout=layout, triton_url=triton.url, timeout_s=30))
+
+    assert f'tritonshare_proxy_triton_metrics_up{{model="{tenants.own}"}} 1' in direct  # Triton took it
+    assert page.count("# TYPE tritonshare_proxy_triton_metrics_up") == 1
+    assert [line for line in page.splitlines() if line.startswith("tritonshare_")] == [
+        f'tritonshare_proxy_triton_metrics_up{{model="{tenants.own}"}} 1.0'
+    ]
+    assert "forged" not in page
+
+
 @pytest.mark.triton
 def test_cache_answers_scrapes_within_ttl_then_reads_again(triton: TritonServer, tenants: Tenants) -> None:
     now = [100.0]
@@ -169,6 +211,64 @@ def test_unreachable_triton_gives_up_zero_and_no_series(caplog: pytest.LogCaptur
     assert "nv_" not in page
     warnings = [r for r in caplog.records if "check --triton-metrics-url" in r.getMessage()]
     assert len(warnings) == 1  # said once, not at every scrape
+
+
+def test_a_slow_metrics_port_is_given_up_at_the_deadline_and_its_answer_kept() -> None:
+    slow = MetricsPort.dripping()  # a byte every 0.5 s: each read is in time, the page never is
+    try:
+        metrics = TritonModelMetrics(slow.url, "m", timeout_s=1.0, ttl_s=0.5)
+        started = time.monotonic()
+        page = metrics.exposition().decode()
+        took = time.monotonic() - started
+        again = metrics.exposition().decode()  # within ttl_s of the answer, though not of the question
+
+        assert took < 3.0, f"the scrape took {took:.1f}s"
+        assert page.splitlines()[-1] == 'tritonshare_proxy_triton_metrics_up{model="m"} 0.0'
+        assert (again, slow.accepted) == (page, 1)
+    finally:
+        slow.close()
+
+
+def crowded_page(tenants: int) -> str:
+    """A page of ``tenants`` other models, and model ``m`` in a few families, with every trap of the text format:
+    a name that is a prefix of others (m1, m10…), another model's series whose other label is ``"m"``, a HELP
+    text quoting "m" for a family with none of its series, escapes in label values and help."""
+    families = [f"nv_inference_family_{i}" for i in range(20)]
+    out = []
+    for i, family in enumerate(families):
+        ours = i % 5 == 0
+        said = "" if ours else '; a tenant wrote "m" and model=\\"m\\" here'
+        out.append(f"# HELP {family} about {family}{said}\n")
+        out.append(f"# TYPE {family} counter\n")
+        out.append("# a comment of no family\n")
+        out.extend(f'{family}{{model="m{t}",version="1"}} {t}\n' for t in range(tenants))
+        out.append(f'{family}{{model="other",note="m"}} 1\n')
+        if ours:
+            out.append(f'{family}{{model="m",version="{i}",note="say \\"hi\\"\\n"}} {i}\n')
+    return "".join(out)
+
+
+def test_a_large_page_is_filtered_as_it_is_read_with_the_same_result() -> None:
+    """Other tenants' series are dropped line by line as the page comes: what the proxy holds and parses is
+    its own model's part, however large the page (any tenant's Python model can grow it with custom metrics)."""
+    page = crowded_page(8000)  # about 8 MiB
+    port = MetricsPort(page.encode())
+    try:
+        metrics = TritonModelMetrics(port.url, "m", timeout_s=20, ttl_s=0)
+        tracemalloc.start()
+        try:
+            answer = metrics.exposition().decode()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    finally:
+        port.close()
+
+    assert len(page) > 8_000_000
+    assert answer == own_model_series(page, "m") + up_gauge("m", True)
+    assert answer.count('model="m"') == 4 + 1  # and the up gauge's
+    assert "m0" not in answer and "other" not in answer and "tenant wrote" not in answer
+    assert peak < 4 * 1024 * 1024, f"held {peak / 2**20:.0f} MiB to read an {len(page) / 2**20:.0f} MiB page"
 
 
 @pytest.mark.triton

@@ -8,8 +8,9 @@ models on a node than its Triton's GPUs hold. The value goes into the node's sta
 copies capacity into allocatable on its next status update anyway.
 
 Re-runs are idempotent: the node's status is read first and nothing is written when it already holds the
-value. With ``interval_s`` the agent stays up as a sidecar and re-advertises (a re-registered node loses
-extended resources it did not get from a device plugin).
+value. An unreachable or busy (429, 5xx) API server is retried for ``retry_for_s`` before giving up. With
+``interval_s`` the agent stays up as a sidecar and re-advertises (a re-registered node loses extended
+resources it did not get from a device plugin).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import re
 import signal
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 from decimal import Decimal
@@ -25,12 +27,21 @@ from typing import Any
 
 from tritonshare.common.errors import ExitCode, UsageError
 from tritonshare.node.gpu import FixedMemory, GpuMemoryReader, NvmlMemory
-from tritonshare.node.kube import KubeApiError, KubeClient, KubeConfig, KubeForbidden, KubeNotFound
+from tritonshare.node.kube import (
+    KubeApiError,
+    KubeBusy,
+    KubeClient,
+    KubeConfig,
+    KubeForbidden,
+    KubeNotFound,
+    KubeUnreachable,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_RESOURCE = "tritonshare.io/gpu-memory"
 JSON_PATCH = "application/json-patch+json"
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 8.0  # backoff of the first advertising's retries
 RBAC_HINT = (
     "the pod's service account needs get and patch on nodes/status "
     "(ClusterRole tritonshare-advertise in k8s/components/advertise)"
@@ -48,6 +59,7 @@ class AdvertiseSettings:
     gpu_memory_mib: int | None = None  # None: read with NVML; set it for MIG and vGPU slices
     reserve_mib: int = 0  # kept back for Triton itself (CUDA context, pinned buffers)
     interval_s: float = 0.0  # 0: advertise once and exit (init container); > 0: re-advertise (sidecar)
+    retry_for_s: float = 60.0  # the first advertising retries an unreachable or busy API server this long
 
 
 def check_resource(name: str) -> str:
@@ -129,7 +141,7 @@ def run(
 ) -> int:
     """Advertise once, or every ``interval_s`` until ``stop`` (SIGTERM by default) is set."""
     advertiser = Advertiser(settings, reader=reader, client=client)
-    advertiser.once()
+    _first(advertiser, settings.retry_for_s)
     if settings.interval_s <= 0:
         return ExitCode.OK
     stop = stop or _stop_on_sigterm()
@@ -141,6 +153,27 @@ def run(
         except KubeApiError as exc:  # unreachable, 5xx, conflicts: the next round may succeed
             logger.warning("re-advertising failed, trying again in %.0fs: %s", settings.interval_s, exc)
     return ExitCode.OK
+
+
+def _first(advertiser: Advertiser, retry_for_s: float) -> None:
+    """Advertise, retrying an API server that is unreachable or busy for ``retry_for_s``, with backoff.
+
+    Worth waiting for: as an init container with ``--best-effort``, a failure here leaves the node without
+    the resource until Triton's pod restarts, and every model pod that requests it unschedulable there;
+    a pod's first seconds (its NetworkPolicy not yet in force on some CNIs) or an API server busy with
+    nodes that boot together are such failures. Permissions and a wrong node name are not retried."""
+    deadline = time.monotonic() + retry_for_s
+    delay_s = RETRY_FIRST_S
+    while True:
+        try:
+            advertiser.once()
+            return
+        except (KubeUnreachable, KubeBusy) as exc:
+            if time.monotonic() + delay_s > deadline:
+                raise
+            logger.warning("advertising failed, trying again in %.1fs: %s", delay_s, exc)
+            time.sleep(delay_s)
+            delay_s = min(delay_s * 2, RETRY_MAX_S)
 
 
 def _default_reader(settings: AdvertiseSettings) -> GpuMemoryReader:

@@ -59,6 +59,12 @@ SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 )
 @option("--kube-timeout-s", type=click.FloatRange(min=0.1), default=10.0, help="Per-request timeout.")
 @option(
+    "--retry-for-s",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    help="How long an unreachable or busy (429, 5xx) API server is retried, with backoff, before giving up.",
+)
+@option(
     "--best-effort",
     is_flag=True,
     default=False,
@@ -75,6 +81,7 @@ def advertise(
     kube_token_path: Path,
     kube_ca_path: Path,
     kube_timeout_s: float,
+    retry_for_s: float,
     best_effort: bool,
     termination_log: Path,
 ) -> None:
@@ -95,6 +102,7 @@ def advertise(
         gpu_memory_mib=gpu_memory_mib,
         reserve_mib=reserve_mib,
         interval_s=interval_s,
+        retry_for_s=retry_for_s,
         kube=KubeConfig(api_url=api_url, token_path=kube_token_path, ca_path=kube_ca_path, timeout_s=kube_timeout_s),
     )
 

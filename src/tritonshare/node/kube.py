@@ -34,6 +34,14 @@ class KubeUnavailable(KubeApiError):
     """The API server could not be reached, or the pod has no credentials to talk to it."""
 
 
+class KubeUnreachable(KubeUnavailable):
+    """No answer from the API server (refused, reset, timed out): may pass."""
+
+
+class KubeBusy(KubeApiError):
+    """The API server answered 429 or 5xx: overloaded, or a component behind it is (etcd); may pass."""
+
+
 class KubeForbidden(KubeApiError):
     """The API server answered 401 or 403: the service account lacks a permission."""
 
@@ -119,6 +127,8 @@ class KubeClient:
             raise KubeForbidden(what)
         if response.status == 404:
             raise KubeNotFound(what)
+        if response.status == 429 or response.status >= 500:
+            raise KubeBusy(f"Kubernetes API at {self.config.api_url} answered {what}")
         raise KubeApiError(f"Kubernetes API at {self.config.api_url} answered {what}")
 
     def request(self, method: str, path: str, body: bytes | None, headers: Mapping[str, str]) -> Response:
@@ -128,8 +138,13 @@ class KubeClient:
             conn.request(method, path, body=body, headers=all_headers)
             reply = conn.getresponse()
             return Response(reply.status, reply.read())
-        except (OSError, http.client.HTTPException) as exc:
+        except ssl.SSLCertVerificationError as exc:  # not worth retrying: the CA does not change
             raise KubeUnavailable(
+                f"Kubernetes API at {self.config.api_url}: its certificate is not signed by the CA in "
+                f"{self.config.ca_path or 'the system trust store'} ({exc.verify_message}) — check --kube-ca-path"
+            ) from exc
+        except (OSError, http.client.HTTPException) as exc:
+            raise KubeUnreachable(
                 f"Kubernetes API at {self.config.api_url} did not answer {method} {path}: {exc} — "
                 "check that this runs in a pod (KUBERNETES_SERVICE_HOST) or that --kube-api-url is right"
             ) from exc
