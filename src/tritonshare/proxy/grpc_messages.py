@@ -262,16 +262,16 @@ class MessageInspector:
                 return Refusal(GRPC_RESOURCE_EXHAUSTED, f"the compressed message {INFLATES_TOO_FAR}", "too_large")
             walker.feed(out, 0, len(out))
             chunk = inflater.unconsumed_tail
-            if not chunk and len(out) < _DECOMPRESS_STEP:  # all read, and no output left pending
+            # Ended (zlib may then leave what follows the end as unconsumed input too: fed back, it comes back
+            # forever), or all read and no output left pending.
+            if inflater.eof or (not chunk and len(out) < _DECOMPRESS_STEP):
                 return None
 
     def _end_message(self, pos: int) -> Refusal | None:
         walker = self._walker
         assert walker is not None
         try:
-            if self._inflater is not None:
-                rest = self._inflater.flush()
-                walker.feed(rest, 0, len(rest))
+            if self._inflater is not None:  # (its input was all inflated as it came: nothing to flush)
                 if not self._inflater.eof:
                     raise MalformedMessage(f"compressed message ends before its {self._encoding!r} stream does")
                 if self._inflater.unused_data:  # what a reader other than zlib might take for more of the message
