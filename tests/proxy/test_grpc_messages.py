@@ -233,6 +233,20 @@ def test_a_compressed_message_within_the_inflate_bound_passes() -> None:
     assert inspect(message, 100, len(message) // 2, encoding=b"gzip") is None
 
 
+@pytest.mark.timeout(10)
+def test_bytes_after_a_compressed_message_that_inflates_past_a_step_are_refused_not_spun_on() -> None:
+    # The stream ends in a later 1 MiB step than the first of its read: zlib then leaves the bytes after its end
+    # as unconsumed input too, and the proxy's inflate loop fed them back forever (its event loop at 100% CPU).
+    noise = random.Random(0)
+    request = infer()
+    request.raw_input_contents[0] = b"".join(noise.randbytes(2048) + bytes(30720) for _ in range(128))  # ~15x
+    packed = _gzip_stream(request.SerializeToString()) + b"\x08\x01"
+    message = framed(packed, compressed=True)
+    refusal = MessageInspector(MessageJudge(INFER, OWN, limit=1 << 20), encoding=b"gzip").feed(message, 0, len(message))
+    assert refusal is not None and refusal.status == GRPC_INVALID_ARGUMENT
+    assert "has 2 bytes after its b'gzip' stream ends" in refusal.message
+
+
 def test_compression_the_proxy_cannot_read_is_unimplemented() -> None:
     refusal = inspect(framed(b"\x00\x01", compressed=True), encoding=b"snappy")
     assert refusal is not None and refusal.status == GRPC_UNIMPLEMENTED and "snappy" in refusal.message

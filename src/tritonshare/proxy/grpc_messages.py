@@ -1,28 +1,28 @@
 """Judging gRPC request messages as their bytes stream past: the gRPC framing around the protobuf messages
 that :mod:`tritonshare.proxy.protobuf` walks.
 
-A gRPC message is 1 byte compressed-flag + 4 bytes big-endian length + a protobuf message, and it may be
-split across any number of HTTP/2 DATA frames. :class:`MessageInspector` follows that framing for one
-request stream: a message that lies whole in one frame is walked in one go by its connection's
-:class:`~tritonshare.proxy.protobuf.MessageWalker`; one split across frames, or compressed (grpc-encoding gzip
-or deflate: decompressed in bounded steps), by a :class:`~tritonshare.proxy.protobuf.FieldWalker` fed piece by
-piece. Each message is judged as it completes: the own model's name (field 1, the last one), and for infer
-requests no shared-memory parameter. A compressed message is refused (RESOURCE_EXHAUSTED) as soon as it inflates
-too far (:func:`~tritonshare.proxy.inspect.inflates_too_far`, REST's bound on a compressed body): Triton's gRPC
-server inflates a message whole into memory before it checks its size against its own limit (2 GiB - 1), so
+A gRPC message is 1 byte compressed-flag + 4 bytes big-endian length + a protobuf message, and it may be split
+across any number of HTTP/2 DATA frames. :class:`MessageInspector` follows that framing for one request stream: a
+message that lies whole in one frame is walked in one go by its connection's
+:class:`~tritonshare.proxy.protobuf.MessageWalker`; one split across frames, or compressed (grpc-encoding gzip or
+deflate: inflated in bounded steps by an :class:`~tritonshare.proxy.inflation.Inflation`), by a
+:class:`~tritonshare.proxy.protobuf.FieldWalker` fed piece by piece. Each message is judged as it completes: the
+own model's name (field 1, the last one), and for infer requests no shared-memory parameter. A compressed message
+is refused (RESOURCE_EXHAUSTED) as soon as it inflates too far
+(:func:`~tritonshare.proxy.inflation.inflates_too_far`, the bound REST puts on a compressed body too): Triton's
+gRPC server inflates a message whole into memory before it checks its size against its own limit (2 GiB - 1), so
 1 GiB of zeros in 1 MB of gzip took Triton's RSS up 2.3 GB, 1.3 GB of it kept (as much through the proxy, which
-walked it and passed it on, before this bound). Anything that cannot be followed — malformed protobuf, a
-compressed message in an encoding the proxy cannot read — is refused: never "allow" on a message not understood.
+walked it and passed it on, before this bound). Anything that cannot be followed — malformed protobuf, a compressed
+message in an encoding the proxy cannot read — is refused: never "allow" on a message not understood.
 """
 
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 
 from tritonshare.proxy import held
-from tritonshare.proxy.inspect import INFLATES_TOO_FAR, inflates_too_far
+from tritonshare.proxy.inflation import INFLATES_TOO_FAR, CorruptStream, InflatesTooFar, Inflation
 from tritonshare.proxy.policy import (
     GRPC_INVALID_ARGUMENT,
     GRPC_NOT_FOUND,
@@ -44,7 +44,6 @@ from tritonshare.proxy.protobuf import (
     names_shm_parameter,
 )
 
-_DECOMPRESS_STEP = 1 << 20  # decompressed bytes produced per step: bounds memory on compression bombs
 _U32 = struct.Struct(">L")
 _DECOMPRESSORS = {b"gzip": 31, b"deflate": 15}  # grpc-encoding → zlib wbits (gzip header / zlib header)
 
@@ -139,9 +138,7 @@ class MessageInspector:
         "_prefix",
         "_left",
         "_walker",
-        "_inflater",
-        "_compressed",
-        "_inflated",
+        "_inflation",
         "_refusal",
         "messages",
         "first_end",
@@ -154,8 +151,7 @@ class MessageInspector:
         self._prefix = b""  # the 5-byte prefix of a message, while it arrives in pieces
         self._left = 0  # body bytes of the current message still to come
         self._walker: FieldWalker | None = None
-        self._inflater: zlib._Decompress | None = None
-        self._compressed = self._inflated = 0  # bytes of the current compressed message, as read and inflated
+        self._inflation: Inflation | None = None  # the current message's, if it is compressed
         self._refusal: Refusal | None = None
         self.messages = 0  # messages judged and accepted so far
         # Where the first accepted message ended, in the buffer of the feed() call that completed it (the
@@ -185,7 +181,7 @@ class MessageInspector:
                 pos = self._feed_piece(buf, pos, end)
                 if pos < 0:
                     return self._refusal
-        except (MalformedMessage, zlib.error) as exc:
+        except (MalformedMessage, CorruptStream) as exc:
             return _malformed(exc)
         except OverBudget as exc:
             assert self._judge.budget is not None  # (only a walker given a budget raises it)
@@ -226,7 +222,7 @@ class MessageInspector:
         self._prefix = b""
         if flag > 1:
             raise MalformedMessage(f"gRPC message flag {flag} is neither 0 nor 1")
-        self._inflater = None
+        self._inflation = None
         if flag == 1:
             wbits = _DECOMPRESSORS.get(self._encoding or b"")
             if wbits is None:
@@ -237,9 +233,8 @@ class MessageInspector:
                     f"grpc-encoding {shown!r}; use gzip, deflate or none",
                     "compression",
                 )
-            self._inflater = zlib.decompressobj(wbits)
-            self._compressed = self._inflated = 0
-        fields = COMPRESSED_FIELDS if self._inflater is not None else -1  # see protobuf.COMPRESSED_FIELDS
+            self._inflation = Inflation(wbits)
+        fields = COMPRESSED_FIELDS if self._inflation is not None else -1  # see protobuf.COMPRESSED_FIELDS
         judge = self._judge
         self._walker = FieldWalker(inspect=judge.rule.inspect, limit=judge.limit, fields=fields, budget=judge.budget)
         self._left = length
@@ -247,37 +242,31 @@ class MessageInspector:
 
     def _feed_body(self, buf: bytes, start: int, end: int) -> Refusal | None:
         """Walk bytes of a message's body (inflated first if compressed); the refusal of one that inflates too far."""
-        walker, inflater = self._walker, self._inflater
+        walker, inflation = self._walker, self._inflation
         assert walker is not None
-        if inflater is None:
+        if inflation is None:
             walker.feed(buf, start, end)
             return None
         chunk = buf[start:end]
         walker.fields_left += FIELDS_PER_COMPRESSED_BYTE * len(chunk)
-        while True:
-            out = inflater.decompress(chunk, _DECOMPRESS_STEP)
-            self._compressed += len(chunk) - len(inflater.unconsumed_tail)
-            self._inflated += len(out)
-            if inflates_too_far(self._inflated, self._compressed):
-                return Refusal(GRPC_RESOURCE_EXHAUSTED, f"the compressed message {INFLATES_TOO_FAR}", "too_large")
-            walker.feed(out, 0, len(out))
-            chunk = inflater.unconsumed_tail
-            if not chunk and len(out) < _DECOMPRESS_STEP:  # all read, and no output left pending
-                return None
+        try:
+            for out in inflation.steps(chunk):
+                walker.feed(out, 0, len(out))
+        except InflatesTooFar:
+            return Refusal(GRPC_RESOURCE_EXHAUSTED, f"the compressed message {INFLATES_TOO_FAR}", "too_large")
+        return None
 
     def _end_message(self, pos: int) -> Refusal | None:
         walker = self._walker
         assert walker is not None
         try:
-            if self._inflater is not None:
-                rest = self._inflater.flush()
-                walker.feed(rest, 0, len(rest))
-                if not self._inflater.eof:
+            inflation = self._inflation
+            if inflation is not None:  # (all its input was inflated as it came: no output is pending)
+                if not inflation.eof:
                     raise MalformedMessage(f"compressed message ends before its {self._encoding!r} stream does")
-                if self._inflater.unused_data:  # what a reader other than zlib might take for more of the message
+                if inflation.trailing:  # what a reader other than zlib might take for more of the message
                     raise MalformedMessage(
-                        f"compressed message has {len(self._inflater.unused_data)} bytes after its "
-                        f"{self._encoding!r} stream ends"
+                        f"compressed message has {inflation.trailing} bytes after its {self._encoding!r} stream ends"
                     )
             result = walker.finish()
             return self._judge_message(result.model_name, result, end=pos)

@@ -15,9 +15,9 @@ What the JSON is, read the way Triton reads it (``http_server.cc``):
 - generate / generate_stream: the whole body (the header is ignored by Triton there).
 
 Only the JSON part is held, bounded by ``max_json_bytes`` (more is a 413). A compressed body is inflated
-whole as it passes, in bounded steps, its output past the JSON part dropped (:class:`Inflation`): Triton
-inflates it whole into memory before reading it, so one that inflates too far is refused (413) — a gzip bomb
-blows up neither the proxy nor the shared Triton. The fast path: JSON that contains
+whole as it passes, in bounded steps, its output past the JSON part dropped (:class:`BodyInflation`): Triton
+inflates it whole into memory before reading it, so one that inflates too far (:mod:`tritonshare.proxy.inflation`)
+is refused (413) — a gzip bomb blows up neither the proxy nor the shared Triton. The fast path: JSON that contains
 neither ``shared_memory_`` nor a backslash cannot spell such a key, so it is not looked at further; else one
 scan of its string tokens finds the keys (:func:`check_json`), in bounded memory.
 
@@ -29,31 +29,15 @@ from __future__ import annotations
 
 import json
 import re
-import zlib
 
 from tritonshare.proxy.http1 import LAST_CHUNK, ChunkedReader, chunk
+from tritonshare.proxy.inflation import INFLATES_TOO_FAR, CorruptStream, InflatesTooFar, Inflation
 from tritonshare.proxy.policy import SHM_MARKER, SHM_PARAMETERS
 
 # Content-Encoding -> zlib wbits (None: the body is not encoded). Both compressed forms are read with automatic
 # zlib/gzip header detection, as Triton does.
 ENCODINGS: dict[str, int | None] = {"": None, "identity": None, "gzip": 47, "deflate": 47}
 _HELD_SLACK = 1 << 20  # encoded bytes held beyond max_json_bytes before the JSON part must be complete
-# Triton (2.51) inflates a compressed body whole into memory before it reads it, with no bound of its own
-# (measured: 2 MB of gzip sent through the proxy took Triton's RSS up by 2 GB, kept after the request; four such
-# requests at once, to 8.5 GB: a few dozen would have the node kill every tenant's server). A body may inflate
-# to at most MAX_INFLATE_RATIO times the compressed bytes read so far (the zip-bomb guard of Envoy's
-# decompressor, same default) once past INFLATE_GRACE_BYTES, and never to 2 GiB, where Triton's int overflows
-# and it refuses the request, but only after inflating it.
-MAX_INFLATE_RATIO = 100
-INFLATE_GRACE_BYTES = 1 << 20
-MAX_INFLATED_BYTES = (2 << 30) - 1
-# What a refusal says after "the compressed body" (REST) or "the compressed message" (gRPC, which Triton inflates
-# whole in memory too: grpc_messages).
-INFLATES_TOO_FAR = (
-    f"inflates to more than {MAX_INFLATE_RATIO} times its size (or to 2 GiB), which the shared inference server "
-    "would hold whole in memory; send it uncompressed"
-)
-_INFLATE_STEP = 1 << 20  # inflated bytes produced at a time (then dropped): the proxy's memory per step
 
 
 class BodyRefused(Exception):
@@ -289,14 +273,7 @@ class InferBodyCheck:
         self._held.append(payload)
 
 
-def inflates_too_far(inflated: int, compressed: int) -> bool:
-    """Has a stream that took ``compressed`` bytes inflated past its bound (:data:`MAX_INFLATE_RATIO`)?"""
-    return inflated > MAX_INFLATED_BYTES or (
-        inflated > INFLATE_GRACE_BYTES and inflated > MAX_INFLATE_RATIO * compressed
-    )
-
-
-def inflation_for(encoding: str, max_body_bytes: int = 0) -> Inflation | None:
+def inflation_for(encoding: str, max_body_bytes: int = 0) -> BodyInflation | None:
     """The inflater of a body with this ``Content-Encoding`` (None: not encoded), refusing one that inflates past
     ``max_body_bytes`` (0: no limit) too; 415 for one Triton cannot read."""
     if encoding not in ENCODINGS:
@@ -304,54 +281,42 @@ def inflation_for(encoding: str, max_body_bytes: int = 0) -> Inflation | None:
             415, f"Content-Encoding {encoding!r} is not supported: use gzip, deflate or identity", "encoding"
         )
     wbits = ENCODINGS[encoding]
-    return None if wbits is None else Inflation(wbits, max_body_bytes)
+    return None if wbits is None else BodyInflation(wbits, max_body_bytes)
 
 
-class Inflation:
-    """Inflates a compressed body as it passes, as Triton will: its beginning is handed back (the JSON part to
-    check), the rest counted and dropped, in steps of at most :data:`_INFLATE_STEP` bytes. Raises
-    :class:`BodyRefused` when the body inflates past its bound (:data:`MAX_INFLATE_RATIO`) or past ``limit``
-    (``--max-body-bytes``; 0: none), is not a gzip/zlib stream, or has data after the end of its stream (Triton
-    stops there: it could be read two ways)."""
+class BodyInflation:
+    """A compressed body inflated as it passes (:class:`~tritonshare.proxy.inflation.Inflation`), as Triton will:
+    its beginning is handed back (the JSON part to check), the rest counted and dropped. Raises
+    :class:`BodyRefused` when the body inflates too far (413: past the inflate bound, or past ``limit``,
+    ``--max-body-bytes``; 0: none), is not a gzip/zlib stream, or has data after the end of its stream (400:
+    Triton stops there, so it could be read two ways)."""
 
-    __slots__ = ("_inflate", "_compressed", "_inflated", "_limit")
+    __slots__ = ("_stream", "_limit")
 
     def __init__(self, wbits: int, limit: int = 0) -> None:
-        self._inflate = zlib.decompressobj(wbits)
-        self._compressed = 0
-        self._inflated = 0
+        self._stream = Inflation(wbits)
         self._limit = limit
 
     @property
     def eof(self) -> bool:
-        return self._inflate.eof
+        return self._stream.eof
 
     def feed(self, data: bytes | memoryview, keep: int = 0) -> bytes:
         """Inflate all of ``data``; return the first ``keep`` bytes it inflates to, dropping the rest."""
-        inflate, kept = self._inflate, bytearray()
+        stream, kept = self._stream, bytearray()
         try:
-            while not inflate.eof:
-                step = min(keep - len(kept), _INFLATE_STEP) if len(kept) < keep else _INFLATE_STEP
-                out = inflate.decompress(data, step)
-                self._compressed += len(data) - len(inflate.unconsumed_tail)
-                self._inflated += len(out)
-                self._bound()
+            for out in stream.steps(data, keep):
+                if self._limit and stream.inflated > self._limit:
+                    raise BodyRefused(413, body_too_large(self._limit), "too_large")
                 if len(kept) < keep:
                     kept += out
-                data = inflate.unconsumed_tail
-                if not data and len(out) < step:  # all input read, no output left pending
-                    break
-        except zlib.error as exc:
+        except InflatesTooFar:
+            raise BodyRefused(413, f"the compressed body {INFLATES_TOO_FAR}", "too_large") from None
+        except CorruptStream as exc:
             raise BodyRefused(400, f"the compressed body cannot be decoded: {exc}", "encoding") from None
-        if inflate.eof and (data or inflate.unused_data):
+        if stream.trailing:
             raise BodyRefused(400, "data follows the end of the compressed body", "encoding")
         return bytes(kept)
-
-    def _bound(self) -> None:
-        if inflates_too_far(self._inflated, self._compressed):
-            raise BodyRefused(413, f"the compressed body {INFLATES_TOO_FAR}", "too_large")
-        if self._limit and self._inflated > self._limit:
-            raise BodyRefused(413, body_too_large(self._limit), "too_large")
 
 
 class RequestBody:
@@ -375,7 +340,7 @@ class RequestBody:
         length: int,
         chunked: bool,
         check: InferBodyCheck | None = None,
-        inflation: Inflation | None = None,
+        inflation: BodyInflation | None = None,
         *,
         max_bytes: int = 0,
     ) -> None:
