@@ -141,10 +141,12 @@ class RawClient:
         self._buffer = b""
         self.sock.sendall(http2.PREFACE + http2.settings())
 
-    def request(self, stream_id: int, path: str, *, end_stream: bool = False) -> bytes:
-        """A gRPC request's HEADERS frame."""
+    def request(
+        self, stream_id: int, path: str, *, end_stream: bool = False, extra: tuple[tuple[str, str], ...] = ()
+    ) -> bytes:
+        """A gRPC request's HEADERS frame (``extra``: more header fields, e.g. ``grpc-encoding``)."""
         fields = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "proxy"),
-                  ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+                  ("content-type", "application/grpc"), ("te", "trailers"), *extra]  # fmt: skip
         flags = http2.END_HEADERS | (http2.END_STREAM if end_stream else 0)
         return http2.frame(http2.HEADERS, flags, stream_id, self.encoder.encode(fields))
 

@@ -6,13 +6,16 @@ proxy still serves everyone else.
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 import uuid
+import zlib
 from collections.abc import Iterator
 
 import grpc
 import pytest
+from tritonclient.grpc import service_pb2 as pb
 
 from tests.proxy.wire import RawClient, closed, goaway_code
 from tests.support.proxy import ProxyProcess
@@ -166,4 +169,38 @@ def test_a_connection_ended_with_goaway_is_read_to_its_end_by_a_client_still_sen
     got = client.frames(closed)
     client.close()
     assert goaway_code(got) == http2.FRAME_SIZE_ERROR and closed(got)
+    assert serves(proxy)
+
+
+def test_bytes_after_a_compressed_message_in_one_big_frame_are_refused_and_the_proxy_serves_on(
+    proxy: ProxyProcess,
+) -> None:
+    """One DATA frame (Triton lets frames grow to 4 MiB) whose gzip stream inflates past the inflater's first 1 MiB
+    step and ends with bytes after it: zlib then hands those bytes back as unconsumed input, and the proxy's
+    inflate loop fed them back forever — one message left the proxy's event loop spinning, every client of the
+    pod unanswered."""
+    noise = random.Random(0)
+    contents = b"".join(noise.randbytes(2048) + bytes(30720) for _ in range(128))  # 4 MiB, ~15x compressible
+    request = pb.ModelInferRequest(model_name=proxy.name)
+    request.inputs.add(name="INPUT0", datatype="BYTES", shape=[1])
+    request.raw_input_contents.append(contents)
+    stream = zlib.compressobj(6, zlib.DEFLATED, 31)  # gzip
+    packed = stream.compress(request.SerializeToString()) + stream.flush() + b"\x08\x01"  # 2 bytes after its end
+    message = b"\x01" + len(packed).to_bytes(4, "big") + packed
+    client = RawClient(proxy.grpc_port)
+    try:
+        got = client.frames(lambda got: any(f[0] == http2.SETTINGS and not f[1] & http2.ACK for f in got))
+        assert settings_of(got).get(http2.SETTINGS_MAX_FRAME_SIZE, 0) > len(message)  # one frame holds it
+        client.sock.sendall(
+            client.request(1, f"/{GRPC_SERVICE}/ModelInfer", extra=(("grpc-encoding", "gzip"),))
+            + http2.frame(http2.DATA, http2.END_STREAM, 1, message)
+        )
+        got = client.frames(
+            lambda got: any(f[2] == 1 and (f[0] == http2.RST_STREAM or f[1] & http2.END_STREAM) for f in got),
+            timeout_s=10,
+        )
+        assert any(f[2] == 1 for f in got), "no answer to the stream within 10 s"
+        assert b"after its" in b"".join(p for kind, _, sid, p in got if sid == 1 and kind == http2.HEADERS)
+    finally:
+        client.close()
     assert serves(proxy)
