@@ -36,7 +36,7 @@ def tokens_at(path: Path, clock: Clock, registry: CollectorRegistry | None = Non
 
 
 def write(path: Path, text: str) -> Path:
-    path.write_text(text)
+    path.write_text(text, encoding="utf-8")
     return path
 
 
@@ -150,6 +150,19 @@ def test_symlink_swap_to_a_file_of_same_size_and_mtime_is_seen_by_its_inode(tmp_
     swap_secret(root, "a", "b", "tok-BBBB\n", same_times_as=path)  # the link is followed before the swap
     clock.now += 1.1
     assert tokens.check_http(b"Bearer tok-BBBB") and not tokens.check_http(b"Bearer tok-AAAA")
+
+
+def test_a_file_written_on_windows_crlf_and_a_byte_order_mark_gives_its_tokens(tmp_path: Path, clock: Clock) -> None:
+    """Notepad and PowerShell 5 write UTF-8 with a BOM and CRLF; ``kubectl create secret --from-file`` keeps both."""
+    root = tmp_path / "secret"
+    path = kubernetes_secret(root, "2024_01", "\ufeffwin-token-1\r\n# old one below\r\nwin-token-2\r\n")
+    tokens = tokens_at(path, clock)
+    assert tokens.count == 2
+    assert tokens.check_http(b"Bearer win-token-1") and tokens.check_grpc(b"Bearer win-token-2")
+    swap_secret(root, "2024_01", "2024_02", "\ufeffwin-token-3\r\n")
+    clock.now += 1.1
+    assert tokens.check_http(b"Bearer win-token-3") and not tokens.check_http(b"Bearer win-token-1")
+    assert tokens.count == 1
 
 
 def test_a_vanished_file_keeps_the_tokens_loaded_and_warns_once(

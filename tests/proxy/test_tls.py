@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import os
 import shutil
@@ -308,3 +309,66 @@ def test_tls_1_2_clients_get_aead_ciphers_only(
                 await connect(port, cbc_only)
 
     run(scenario())
+
+
+def _days(days: float) -> datetime.datetime:
+    return datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=days)
+
+
+def test_a_rotation_to_an_expired_or_not_yet_valid_certificate_keeps_the_current_one(
+    run: Callable[[Coroutine[Any, Any, None]], None],
+    pair: tuple[Path, Path],
+    client: ssl.SSLContext,
+    clock: Clock,
+    ca: CertificateAuthority,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """OpenSSL loads a certificate whatever its dates, and every verifying client would refuse an expired one
+    (a backup restored by mistake, a certificate issued for a wrong date): the valid one stays until a valid
+    one comes."""
+    cert, key = pair
+    registry = CollectorRegistry()
+    certificates = TlsCertificates(cert, key, clock=clock, registry=registry)
+    expired = ca.issue(serial=6001, not_before=_days(-30), not_after=_days(-1))
+    future = ca.issue(serial=6002, not_before=_days(1), not_after=_days(30))
+
+    async def serial_after_rotation_to(port: int, pem: tuple[bytes, bytes]) -> int:
+        write_atomically(key, pem[1])
+        write_atomically(cert, pem[0])
+        clock.now += 1.01
+        conn = await connect(port, client)
+        await conn.close()
+        return conn.serial
+
+    async def scenario() -> None:
+        async with echo_server(certificates.server_context("grpc")) as port:
+            served = [await serial_after_rotation_to(port, pem) for pem in (expired, future, ca.issue(serial=6003))]
+            assert served == [1001, 1001, 6003]
+
+    with caplog.at_level(logging.WARNING, logger="tritonshare.proxy.tls"):
+        run(scenario())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("still serving the previous certificate" in w for w in warnings)
+    assert "changed but the new certificate expired at 20" in warnings[0]
+    assert "changed but the new certificate is not valid before 20" in warnings[1]
+    assert registry.get_sample_value("tritonshare_proxy_tls_reload_errors_total") == 2
+    assert registry.get_sample_value("tritonshare_proxy_tls_reloads_total") == 1
+
+
+def test_an_expired_certificate_at_start_is_served_with_a_warning_and_its_expiry_is_exported(
+    tmp_path: Path, ca: CertificateAuthority, caplog: pytest.LogCaptureFixture
+) -> None:
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert_pem, key_pem = ca.issue(serial=7, not_before=_days(-30), not_after=_days(-2))
+    cert.write_bytes(cert_pem)
+    key.write_bytes(key_pem)
+    registry = CollectorRegistry()
+    with caplog.at_level(logging.WARNING, logger="tritonshare.proxy.tls"):
+        TlsCertificates(cert, key, registry=registry)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"TLS certificate {cert} expired at "
+        f"{x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc:%Y-%m-%dT%H:%M:%SZ}; "
+        "serving it all the same — renew the Secret"
+    ]
+    exported = registry.get_sample_value("tritonshare_proxy_tls_certificate_not_after_timestamp_seconds")
+    assert exported == x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc.timestamp()

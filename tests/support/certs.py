@@ -34,8 +34,15 @@ class CertificateAuthority:
         path.write_bytes(self.pem)
         return path
 
-    def issue(self, serial: int) -> tuple[bytes, bytes]:
-        """(certificate PEM, unencrypted key PEM) of a server certificate with this serial number."""
+    def issue(
+        self,
+        serial: int,
+        *,
+        not_before: datetime.datetime | None = None,
+        not_after: datetime.datetime | None = None,
+    ) -> tuple[bytes, bytes]:
+        """(certificate PEM, unencrypted key PEM) of a server certificate with this serial number, valid from 5
+        minutes ago for a day unless ``not_before`` / ``not_after`` say otherwise."""
         key = ec.generate_private_key(ec.SECP256R1())
         names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
         cert = (
@@ -44,6 +51,8 @@ class CertificateAuthority:
                 self.cert.subject,
                 key.public_key(),
                 serial,
+                not_before=not_before,
+                not_after=not_after,
             )
             .add_extension(x509.SubjectAlternativeName(names), critical=False)
             .sign(self.key, hashes.SHA256())
@@ -69,7 +78,13 @@ def serial_of(cert_der: bytes) -> int:
 
 
 def _builder(
-    subject: x509.Name, issuer: x509.Name, public_key: CertificateIssuerPublicKeyTypes, serial: int
+    subject: x509.Name,
+    issuer: x509.Name,
+    public_key: CertificateIssuerPublicKeyTypes,
+    serial: int,
+    *,
+    not_before: datetime.datetime | None = None,
+    not_after: datetime.datetime | None = None,
 ) -> x509.CertificateBuilder:
     now = datetime.datetime.now(datetime.timezone.utc)
     return (
@@ -78,8 +93,8 @@ def _builder(
         .issuer_name(issuer)
         .public_key(public_key)
         .serial_number(serial)
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
+        .not_valid_before(not_before or now - datetime.timedelta(minutes=5))
+        .not_valid_after(not_after or now + datetime.timedelta(days=1))
     )
 
 

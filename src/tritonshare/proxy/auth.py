@@ -1,11 +1,13 @@
 """Optional bearer-token authentication of tenant callers (``--auth-token-file PATH``, issue 9).
 
-The file is a mounted Kubernetes Secret holding one or more tokens, one per line; blank lines and lines
-starting with ``#`` are ignored. Several tokens allow rotation without downtime: add the new token, roll the
-clients, remove the old one. The file is re-read when it changes, checked at most once per
-``check_interval_s`` on the request path with one ``stat`` (no thread, no timer). ``os.stat`` follows
-symlinks, so the identity watched is the resolved target's: a Secret volume publishes an update by swapping
-its ``..data`` symlink to a new folder, which gives the file a new inode even when its size and mtime match.
+The file is a mounted Kubernetes Secret holding one or more tokens, one per line (LF or CRLF); blank lines and
+lines starting with ``#`` are ignored, and so is a UTF-8 byte order mark at its start (Windows editors write
+one: it would otherwise make the first token a line that is not a token). Several tokens allow rotation without
+downtime: add the new token, roll the clients, remove the old one. The file is re-read when it changes, checked
+at most once per ``check_interval_s`` on the request path with one ``stat`` (no thread, no timer). ``os.stat``
+follows symlinks, so the identity watched is the resolved target's: a Secret volume publishes an update by
+swapping its ``..data`` symlink to a new folder, which gives the file a new inode even when its size and mtime
+match.
 
 A caller presents ``Authorization: Bearer <token>`` (REST) or the gRPC metadata ``authorization: Bearer
 <token>`` (tritonclient: ``headers={"authorization": "Bearer …"}``). Tokens are compared in constant time:
@@ -54,6 +56,7 @@ OPEN_REST_ROUTES = frozenset({"health_live", "health_ready"})
 OPEN_GRPC_ROUTES = frozenset({"HealthCheck", "ServerLive", "ServerReady"})
 
 _BEARER = b"bearer"
+_BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark
 _FileIdentity = tuple[int, int, int, int, int]
 
 
@@ -178,6 +181,7 @@ def _read(path: Path) -> tuple[_FileIdentity, list[bytes], list[int]]:
     with open(path, "rb") as fh:
         identity = _identity(os.fstat(fh.fileno()))
         text = fh.read()
+    text = text.removeprefix(_BOM)
     tokens: list[bytes] = []
     skipped: list[int] = []
     for number, raw in enumerate(text.splitlines(), start=1):
@@ -198,7 +202,7 @@ def _is_token(line: bytes) -> bool:
 
 def _skipped_words(numbers: list[int]) -> str:
     shown = ", ".join(str(n) for n in numbers[:10])
-    return f"line(s) {shown} are not tokens (spaces or control characters) and are ignored — fix the Secret"
+    return f"line(s) {shown} are not tokens (spaces, control or non-ASCII characters) and are ignored — fix the Secret"
 
 
 def _identity(stat: os.stat_result) -> _FileIdentity:

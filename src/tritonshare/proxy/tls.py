@@ -10,8 +10,11 @@ each new connection to the fresh one (``SSLObject.context = …``, the documente
 Connections already open keep the certificate they were made with.
 
 A pair that does not load (cert-manager writes ``tls.crt`` and ``tls.key`` as one atomic swap, but a
-hand-made rotation may show a new certificate with the old key for a moment) keeps the current certificate
-in service; the check is repeated at the next interval and the failure is logged once.
+hand-made rotation may show a new certificate with the old key for a moment), or whose certificate is expired
+or not yet valid (:mod:`tritonshare.proxy.validity`; OpenSSL loads it all the same, and clients would refuse
+it), keeps the current certificate in service; the check is repeated at the next interval and the failure is
+logged once. At start such a certificate is served (there is nothing else), with a warning; its notAfter is
+exported for alerts before it comes to that.
 
 ALPN per front end (:data:`ALPN`): gRPC requires ``h2``; REST speaks HTTP/1.1 only. TLS 1.2 at least, AEAD
 ciphers only (RFC 7540 §9.2.2 forbids the rest for HTTP/2), no renegotiation. No client certificates. A
@@ -37,10 +40,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tritonshare.common.errors import UsageError
+from tritonshare.proxy.validity import Validity, validity_of
 
 logger = logging.getLogger(__name__)
 
@@ -99,19 +103,24 @@ class TlsCertificates:
         key: Path,
         *,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         check_interval_s: float = 1.0,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.cert = cert
         self.key = key
         self._clock = clock
+        self._wall_clock = wall_clock
         self._interval_s = check_interval_s
         self._next_check = clock() + check_interval_s
         self._trouble = ""
         self.reloads = 0
         self.reload_errors = 0
         self._identity = self._identity_or_usage_error()
-        self._current = self._build_or_usage_error()
+        self._current, self.validity = self._build_or_usage_error()
+        problem = self.validity.problem(wall_clock()) if self.validity is not None else ""
+        if problem:
+            logger.warning("TLS certificate %s %s; serving it all the same — renew the Secret", cert, problem)
         self._listening: dict[str, ssl.SSLContext] = {}
         if registry is not None:
             registry.register(TlsCollector(self))
@@ -165,11 +174,15 @@ class TlsCertificates:
             identity = (_identity(self.cert), _identity(self.key))
             if identity == self._identity:
                 return
-            contexts = _contexts(self.cert, self.key)
+            contexts, validity = _contexts(self.cert, self.key)
         except (OSError, ssl.SSLError) as exc:
             self._report(_words(exc))
             return
-        self._identity, self._current, self._trouble = identity, contexts, ""
+        problem = validity.problem(self._wall_clock()) if validity is not None else ""
+        if problem:
+            self._report(f"the new certificate {problem}")
+            return
+        self._identity, self._current, self.validity, self._trouble = identity, contexts, validity, ""
         self.reloads += 1
         logger.info("TLS certificate reloaded from %s and %s; new connections use it", self.cert, self.key)
 
@@ -194,16 +207,18 @@ class TlsCertificates:
         except OSError as exc:
             raise UsageError(f"--tls-cert {self.cert} / --tls-key {self.key}: {_words(exc)}") from exc
 
-    def _build_or_usage_error(self) -> dict[str, ssl.SSLContext]:
+    def _build_or_usage_error(self) -> tuple[dict[str, ssl.SSLContext], Validity | None]:
         try:
             return _contexts(self.cert, self.key)
         except (OSError, ssl.SSLError) as exc:
             raise UsageError(f"--tls-cert {self.cert} / --tls-key {self.key}: {_words(exc)}") from exc
 
 
-def _contexts(cert: Path, key: Path) -> dict[str, ssl.SSLContext]:
-    """One server context per front end, all from one reading of the pair."""
-    return {protocol: _context(cert, key, alpn) for protocol, alpn in ALPN.items()}
+def _contexts(cert: Path, key: Path) -> tuple[dict[str, ssl.SSLContext], Validity | None]:
+    """One server context per front end, all from one reading of the pair, and the certificate's validity
+    (None if it cannot be read: not checked then)."""
+    contexts = {protocol: _context(cert, key, alpn) for protocol, alpn in ALPN.items()}
+    return contexts, validity_of(cert.read_bytes())
 
 
 def _context(cert: Path, key: Path, alpn: tuple[str, ...]) -> ssl.SSLContext:
@@ -232,7 +247,7 @@ def _words(exc: OSError | ssl.SSLError) -> str:
 
 
 class TlsCollector(Collector):
-    """Reloads of the certificate and failed attempts, read at scrape time."""
+    """Reloads of the certificate, failed attempts and when the one in service expires, read at scrape time."""
 
     def __init__(self, certificates: TlsCertificates) -> None:
         self._certificates = certificates
@@ -246,3 +261,11 @@ class TlsCollector(Collector):
         )
         errors.add_metric([], self._certificates.reload_errors)
         yield errors
+        validity = self._certificates.validity
+        if validity is not None:
+            not_after = GaugeMetricFamily(
+                "tritonshare_proxy_tls_certificate_not_after_timestamp_seconds",
+                "When the certificate new connections get expires (Unix time): alert on it minus time().",
+            )
+            not_after.add_metric([], validity.not_after)
+            yield not_after
