@@ -89,6 +89,10 @@ def advertise(
 
     Model pods then request it (e.g. tritonshare.io/gpu-memory: 4096) and the scheduler never places more
     models on a node than its GPUs hold. Needs get and patch on nodes/status.
+
+    Exit codes: 0 advertised (or any failure, with --best-effort); 2 a bad option (a reserve larger than the
+    memory, no API server to talk to); 1 the memory could not be read (no NVML: pass --gpu-memory-mib) or the
+    API server refused the patch or stayed out of reach past --retry-for-s (the message says which).
     """
     from tritonshare.node.advertise import AdvertiseSettings, run
     from tritonshare.node.kube import KubeConfig, in_cluster_url
