@@ -241,6 +241,26 @@ def test_a_compressed_body_within_the_inflate_bound_streams_whole() -> None:
     assert _body_out(body) == wire and gzip.decompress(wire) == header + tensor
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("with_json", [True, False], ids=["binary-extension", "raw-binary"])
+def test_a_compressed_body_cut_short_after_its_json_passed_is_refused(with_json: bool, chunked: bool) -> None:
+    # Found by fuzzing through a live proxy: a body whose JSON part was judged early (Inference-Header-Content-
+    # Length) and whose stream then ended early went to Triton whole, where the same body without the header
+    # was refused (400). Its last piece is withheld, so Triton never has the body complete.
+    header = json.dumps(CLEAN).encode() if with_json else b""
+    stream = zlib.compressobj(9, zlib.DEFLATED, 31)
+    first = stream.compress(header) + stream.flush(zlib.Z_SYNC_FLUSH)  # the JSON part comes alone
+    cut = (first + stream.compress(bytes(4096)) + stream.flush())[:-6]  # then a tensor, its trailer cut off
+    check = _new("gzip", len(header), 1 << 20) if with_json else None
+    body = RequestBody(0 if chunked else len(cut), chunked, check, None if with_json else inflation_for("gzip"))
+    wire = _chunks(cut) if chunked else cut
+    assert body.feed(wire[: len(first) + (5 if chunked else 0)]) == -1 and body.ready  # the JSON part passed
+    _body_out(body)
+    assert body.feed(wire[len(first) + (5 if chunked else 0) :]) >= 0
+    assert body.refusal is not None and body.refusal.status == 400 and "ends before the end" in body.refusal.message
+    assert not _body_out(body)  # the rest of the body, and a chunked body's last chunk, stay with the proxy
+
+
 def _chunks(payload: bytes, size: int = 1000) -> bytes:
     pieces = [payload[i : i + size] for i in range(0, len(payload), size)]
     return b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"

@@ -254,7 +254,7 @@ class InferBodyCheck:
 
     def finish(self) -> list[bytes | memoryview]:
         if self.inflation is not None and not self.inflation.eof:
-            raise BodyRefused(400, "the body ends before the end of its compressed stream", "encoding")
+            raise _cut_short()
         if self._wanted is not None and len(self._json) < self._wanted:
             raise _short(self._wanted, len(self._json))
         return self._judge()
@@ -416,6 +416,10 @@ class RequestBody:
                 self._refuse(exc)
                 return
             self._pass(held)
+        elif self.inflation is not None and not self.inflation.eof and not self.dropping:
+            # (the check passed on the JSON part earlier, or there was none): Triton must not have all of it
+            self._refuse(_cut_short())
+            return
         if self.chunks is not None and not self.dropping:
             self._out.append(LAST_CHUNK)
 
@@ -434,6 +438,10 @@ class RequestBody:
             self._out.append(part)
         else:
             self._out.extend(chunk(part))
+
+
+def _cut_short() -> BodyRefused:
+    return BodyRefused(400, "the body ends before the end of its compressed stream", "encoding")
 
 
 def _short(json_length: int, body_length: int) -> BodyRefused:
