@@ -229,6 +229,20 @@ def test_a_slow_metrics_port_is_given_up_at_the_deadline_and_its_answer_kept() -
         slow.close()
 
 
+def test_a_page_cut_short_of_its_content_length_counts_as_down() -> None:
+    """A Triton that dies (or a connection reset) mid-page: what came looks like a page, its last value cut
+    (12345 read as 12); it is not re-exported as if whole (nor, in the loader, read as the GPUs' memory)."""
+    page = b'# TYPE nv_inference_count counter\nnv_inference_count{model="m",version="1"} 12345\n'
+    port = MetricsPort(page, cut_after=len(page) - 5)
+    try:
+        answer = TritonModelMetrics(port.url, "m", timeout_s=5, ttl_s=0).exposition().decode()
+    finally:
+        port.close()
+
+    assert "nv_inference_count" not in answer
+    assert answer.splitlines()[-1] == 'tritonshare_proxy_triton_metrics_up{model="m"} 0.0'
+
+
 def crowded_page(tenants: int) -> str:
     """A page of ``tenants`` other models, and model ``m`` in a few families, with every trap of the text format:
     a name that is a prefix of others (m1, m10…), another model's series whose other label is ``"m"``, a HELP

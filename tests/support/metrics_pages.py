@@ -11,11 +11,22 @@ from tests.support.sockets import accept_each
 
 class MetricsPort:
     """Answers every GET with ``200`` and ``body``, sent ``chunk`` bytes at a time with ``gap_s`` between chunks
-    (a page that comes a byte every half second, each byte within a reader's per-read timeout, is a slow Triton
-    metrics endpoint; it gives up after ``limit_s``). Counts the connections it accepted."""
+        (a page that comes a byte every half second, each byte within a reader's per-read timeout, is a slow Triton
+        metrics endpoint; it gives up after ``limit_s``). With ``cut_after`` it closes the connection after that many
+    bytes of the body, its Content-Length still the whole body's (a Triton that dies mid-answer). Counts the
+    connections it accepted."""
 
-    def __init__(self, body: bytes, *, chunk: int = 1 << 16, gap_s: float = 0.0, limit_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        body: bytes,
+        *,
+        chunk: int = 1 << 16,
+        gap_s: float = 0.0,
+        limit_s: float = 60.0,
+        cut_after: int | None = None,
+    ) -> None:
         self.body, self.chunk, self.gap_s, self.limit_s = body, chunk, gap_s, limit_s
+        self.cut_after = len(body) if cut_after is None else cut_after
         self.accepted = 0
         self._closed = threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -38,10 +49,11 @@ class MetricsPort:
                 head = f"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {len(self.body)}\r\n\r\n"
                 conn.sendall(head.encode())
                 deadline = time.monotonic() + self.limit_s
-                for start in range(0, len(self.body), self.chunk):
+                sent = self.body[: self.cut_after]
+                for start in range(0, len(sent), self.chunk):
                     if time.monotonic() > deadline or self._closed.wait(self.gap_s):
                         return
-                    conn.sendall(self.body[start : start + self.chunk])
+                    conn.sendall(sent[start : start + self.chunk])
             except OSError:
                 return
 

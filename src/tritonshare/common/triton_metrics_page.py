@@ -79,13 +79,17 @@ def _body(reply: http.client.HTTPResponse, sieve: Sieve | None, url: str) -> byt
 
 
 def _lines(reply: http.client.HTTPResponse, url: str) -> Iterator[bytes]:
-    """The page's lines as they are read, each with its newline; past :data:`MAX_PAGE_BYTES`, TritonUnavailable."""
+    """The page's lines as they are read, each with its newline; past :data:`MAX_PAGE_BYTES`, TritonUnavailable.
+    A page that ends short of its Content-Length (the connection closed mid-answer) is an HTTPException: its
+    last line may be a value cut short (``12345`` read as ``12``), and ``readline`` does not raise for it."""
     read = 0
     while line := reply.readline(MAX_PAGE_BYTES + 1 - read):
         read += len(line)
         if read > MAX_PAGE_BYTES:
             raise TritonUnavailable(f"GET {url}: page larger than {MAX_PAGE_BYTES} bytes")
         yield line
+    if reply.length:  # bytes of the Content-Length never came (None: no length, 0: all came)
+        raise http.client.HTTPException(f"the page ended {reply.length} bytes short of its Content-Length")
 
 
 @contextmanager
