@@ -59,7 +59,7 @@ def fetch_page(url: str, *, timeout_s: float, sieve: Sieve | None = None) -> str
     except (OSError, http.client.HTTPException) as exc:
         if late.is_set():
             raise TritonUnavailable(f"GET {url}: no whole page within {timeout_s:g}s") from exc
-        raise TritonUnavailable(f"GET {url}: {exc or type(exc).__name__}") from exc
+        raise TritonUnavailable(f"GET {url}: {str(exc) or type(exc).__name__}") from exc
     finally:
         conn.close()
     if late.is_set():  # the page may look whole: one without a length ends where the socket was cut

@@ -215,8 +215,9 @@ class TlsCertificates:
 
 
 def _contexts(cert: Path, key: Path) -> tuple[dict[str, ssl.SSLContext], Validity | None]:
-    """One server context per front end, all from one reading of the pair, and the certificate's validity
-    (None if it cannot be read: not checked then)."""
+    """One server context per front end (each loads the pair) and the certificate's validity (None if it cannot be
+    read: not checked then). A rotation landing between these reads leaves them of different files for at most a
+    check interval: the files' identity changed, so the next check reads them all again."""
     contexts = {protocol: _context(cert, key, alpn) for protocol, alpn in ALPN.items()}
     return contexts, validity_of(cert.read_bytes())
 
