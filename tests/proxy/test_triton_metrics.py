@@ -28,7 +28,13 @@ from tests.support.ports import free_port
 from tests.support.triton import REPO_ROOT, TritonServer
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.unload import UnloadSettings, unload_model
-from tritonshare.proxy.triton_metrics import TritonModelMetrics, default_url, own_model_series, up_gauge
+from tritonshare.proxy.triton_metrics import (
+    TritonModelMetrics,
+    default_url,
+    own_model_lines,
+    own_model_series,
+    up_gauge,
+)
 
 
 @dataclass(frozen=True)
@@ -283,6 +289,20 @@ def test_a_large_page_is_filtered_as_it_is_read_with_the_same_result() -> None:
     assert answer.count('model="m"') == 4 + 1  # and the up gauge's
     assert "m0" not in answer and "other" not in answer and "tenant wrote" not in answer
     assert peak < 4 * 1024 * 1024, f"held {peak / 2**20:.0f} MiB to read an {len(page) / 2**20:.0f} MiB page"
+
+
+def test_a_family_s_help_line_never_heads_the_next_family_s_samples() -> None:
+    """A family with HELP and TYPE but no sample, then one with a TYPE and no HELP: the sifted page must not pair the
+    first's HELP with the second's TYPE (each header line goes with the family it names)."""
+    page = (
+        "# HELP nv_a_total First family, no samples\n# TYPE nv_a_total counter\n"
+        '# TYPE nv_b gauge\nnv_b{model="m",version="1"} 3\n'
+        '# HELP nv_c Third\n# TYPE nv_c gauge\nnv_c{model="x"} 1\n# HELP nv_d Fourth\nnv_d{model="m"} 4\n'
+    )
+    kept = b"".join(own_model_lines([line.encode() + b"\n" for line in page.splitlines()], "m")).decode()
+
+    assert kept == '# TYPE nv_b gauge\nnv_b{model="m",version="1"} 3\n# HELP nv_d Fourth\nnv_d{model="m"} 4\n'
+    assert own_model_series(kept, "m") == own_model_series(page, "m")
 
 
 @pytest.mark.triton

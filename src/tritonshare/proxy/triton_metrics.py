@@ -120,18 +120,18 @@ def own_model_lines(lines: Iterable[bytes], model: str) -> Iterator[bytes]:
     parses what is kept and checks that it is the ``model`` label's value. Other comments are dropped."""
     quoted = f'"{_escape_label(model)}"'.encode()
     header: dict[bytes, bytes] = {}  # HELP and TYPE of the family being read
-    shown = after_samples = False
+    family = b""  # its name
+    shown = False
     for line in lines:
         if line.startswith(b"#"):
-            words = line.split(None, 2)
-            if len(words) < 2 or words[1] not in (b"HELP", b"TYPE"):
+            words = line.split(None, 3)
+            if len(words) < 3 or words[1] not in (b"HELP", b"TYPE"):
                 continue
-            if after_samples:  # a comment after samples begins the next family
-                header, shown, after_samples = {}, False, False
+            if words[2] != family:  # a HELP or TYPE of another name begins the next family
+                header, family = {}, words[2]
             header[words[1]] = line if line.endswith(b"\n") else line + b"\n"
             shown = False
         elif line.strip():
-            after_samples = True
             if quoted in line:
                 if not shown:
                     yield from (header[kind] for kind in (b"HELP", b"TYPE") if kind in header)
