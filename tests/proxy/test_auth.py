@@ -184,6 +184,20 @@ def test_a_vanished_file_keeps_the_tokens_loaded_and_warns_once(
     assert tokens.check_http(b"Bearer back") and not tokens.check_http(b"Bearer tok")
 
 
+def test_a_file_grown_past_a_secret_s_size_keeps_the_tokens_loaded(
+    tmp_path: Path, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each check hashes the presented token against every token loaded: a file past what a Secret holds is not
+    read (its read would also hold the event loop), and the tokens in force stay."""
+    path = write(tmp_path / "t", "tok\n")
+    tokens = tokens_at(path, clock)
+    write(path, "tok\n" * ((1 << 20) // 4 + 1))
+    clock.now += 1.1
+    with caplog.at_level(logging.WARNING, logger="tritonshare.proxy.auth"):
+        assert tokens.check_http(b"Bearer tok") and tokens.count == 1
+    assert "larger than 1048576 bytes" in caplog.text and tokens.stats["reload_errors"] == 1
+
+
 def test_an_emptied_file_refuses_everyone(tmp_path: Path, clock: Clock, caplog: pytest.LogCaptureFixture) -> None:
     path = write(tmp_path / "t", "tok\n")
     tokens = tokens_at(path, clock)
@@ -213,6 +227,7 @@ def test_lines_that_cannot_be_tokens_are_reported_by_number_never_by_content(
         ("", "no token in it"),
         ("# only a comment\n\n", "no token in it"),
         ("tab\there\n", "line(s) 1 are not tokens"),
+        ("x" * (1 << 20) + "\n", "cannot read it (larger than 1048576 bytes, the most a Kubernetes Secret holds)"),
     ],
 )
 def test_a_bad_file_at_start_is_a_usage_error_naming_it(

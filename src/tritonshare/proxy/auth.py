@@ -31,6 +31,7 @@ learns nothing about routes beyond "401".
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
@@ -57,6 +58,8 @@ OPEN_GRPC_ROUTES = frozenset({"HealthCheck", "ServerLive", "ServerReady"})
 
 _BEARER = b"bearer"
 _BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark
+# The most a Kubernetes Secret holds; a larger file is not a Secret of tokens (and each check hashes against all)
+MAX_FILE_BYTES = 1 << 20
 _FileIdentity = tuple[int, int, int, int, int]
 
 
@@ -180,7 +183,9 @@ def _read(path: Path) -> tuple[_FileIdentity, list[bytes], list[int]]:
     content are of the same file even if a symlink swap happens meanwhile."""
     with open(path, "rb") as fh:
         identity = _identity(os.fstat(fh.fileno()))
-        text = fh.read()
+        text = fh.read(MAX_FILE_BYTES + 1)
+    if len(text) > MAX_FILE_BYTES:
+        raise OSError(errno.EFBIG, f"larger than {MAX_FILE_BYTES} bytes, the most a Kubernetes Secret holds")
     text = text.removeprefix(_BOM)
     tokens: list[bytes] = []
     skipped: list[int] = []
