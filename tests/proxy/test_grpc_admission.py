@@ -9,7 +9,7 @@ import asyncio
 import hpack
 import pytest
 
-from tests.proxy.test_grpc_relay import Client, Recorder, data, frames, message
+from tests.proxy.test_grpc_relay import Client, Recorder, data, frames, header_fields, message
 from tests.proxy.wire import client_streams
 from tritonshare.proxy import grpc_admission, http2
 from tritonshare.proxy.grpc import GrpcFrontend
@@ -69,11 +69,7 @@ class Relay:
         return client_streams(bytes(self.to_triton.out))  # type: ignore[return-value]
 
     def client_statuses(self) -> dict[int, dict[str, str]]:
-        decoder, out = hpack.Decoder(), {}
-        for kind, _, stream_id, payload in frames(bytes(self.to_client.out)):
-            if kind == http2.HEADERS:
-                out[stream_id] = {str(k): str(v) for k, v in decoder.decode(payload)}
-        return out
+        return header_fields(bytes(self.to_client.out))
 
     def credits(self, stream_id: int = 0) -> int:
         return sum(

@@ -18,7 +18,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from tests.proxy.conftest import ServedModels
 from tests.proxy.test_grpc import INFER, refusals
-from tests.proxy.test_grpc_relay import Client, Recorder, data, frames
+from tests.proxy.test_grpc_relay import Client, Recorder, data, header_fields
 from tests.proxy.test_held import _held_bytes, _wait_until
 from tests.proxy.wire import RawClient, client_streams
 from tests.support.proxy import ProxyProcess
@@ -83,11 +83,7 @@ class Connection:
         self.upstream.data_received(http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, stream_id, block))
 
     def statuses(self) -> dict[int, dict[str, str]]:
-        decoder, out = hpack.Decoder(), {}
-        for kind, _, stream_id, payload in frames(bytes(self.to_client.out)):
-            if kind == http2.HEADERS:
-                out[stream_id] = {str(k): str(v) for k, v in decoder.decode(payload)}
-        return out
+        return header_fields(bytes(self.to_client.out))
 
     def reset_at_triton(self, stream_id: int) -> int | None:
         return client_streams(bytes(self.to_triton.out))[stream_id].reset_code

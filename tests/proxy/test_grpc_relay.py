@@ -179,6 +179,16 @@ def frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
     return out
 
 
+def header_fields(data: bytes) -> dict[int, dict[str, str]]:
+    """The fields of each stream's last header block among ``data``'s frames (the proxy's output to a client),
+    decoded in order with one HPACK decoder, as the client would."""
+    decoder, out = hpack.Decoder(), {}
+    for kind, _, stream_id, payload in frames(data):
+        if kind == http2.HEADERS:
+            out[stream_id] = {str(k): str(v) for k, v in decoder.decode(payload)}
+    return out
+
+
 def test_what_reaches_triton_and_what_the_client_gets() -> None:
     to_triton, to_client, _ = asyncio.run(relay([conversation()]))
     streams = client_streams(to_triton)
