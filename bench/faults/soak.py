@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.faults.node import Node, start_triton
+from prometheus_client.parser import text_string_to_metric_families
 from tests.support.children import vm_kib
 from tests.support.install import wait_model_ready
 from tests.support.proxy import ProxyProcess
@@ -147,14 +148,22 @@ def triton_counts(triton: TritonServer) -> tuple[int, int]:
     return success, fail
 
 
-_REQUESTS = re.compile(r'tritonshare_proxy_requests_total\{code="([^"]*)",.*protocol="([^"]*)".*\} ([0-9.e+]+)')
-
-
 def proxy_codes(proxy: ProxyProcess) -> dict[str, int]:
     """The proxy's own count of answered requests by ``protocol code`` (its /metrics)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{proxy.metrics_port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return {f"{m[2]} {m[1]}": int(float(m[3])) for m in _REQUESTS.finditer(text)}
+        return codes_of(reply.read().decode())
+
+
+def codes_of(page: str) -> dict[str, int]:
+    """``protocol code`` → answers on a metrics page, summed over every series of that pair: the proxy keeps one
+    per route (infer, the probes, metadata), so taking any one of them undercounts."""
+    codes: dict[str, int] = {}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == "tritonshare_proxy_requests_total":
+                key = f"{sample.labels['protocol']} {sample.labels['code']}"
+                codes[key] = codes.get(key, 0) + int(sample.value)
+    return codes
 
 
 def main() -> int:
