@@ -10,7 +10,7 @@ Both models burn a fixed amount of CPU per request (``--cpu-ms``, default 5 ms o
 request takes longer when it has to share a core: contention shows as latency). B's p50/p99 is measured by
 ``wrk --latency`` in three runs: B alone, B with A uncapped, and B with A's proxy started with
 ``--max-inflight CAP --max-queue 256 --queue-timeout-s 60``. The issue's bar: the cap keeps B's p99 within
-2x of its solo p99.
+2x of its solo p99. If any of B's requests failed (non-2xx, socket errors) the run gives no verdict and exits 1.
 
 Run from the repository root after ``scripts/setup.sh`` (needs .venv-triton and wrk)::
 
@@ -75,6 +75,11 @@ class Load:
     p50_ms: float
     p99_ms: float
     non_2xx: int
+    socket_errors: int  # connect, read, write errors and timeouts
+
+    @property
+    def failures(self) -> int:
+        return self.non_2xx + self.socket_errors
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,10 @@ def main() -> int:
         finally:
             triton.stop()
     _report(results, args)
-    return 0
+    line, code = verdict(results)
+    if line:
+        print(f"\n{line}")
+    return code
 
 
 def _arguments() -> argparse.Namespace:
@@ -196,7 +204,14 @@ def _parse(out: str) -> Load:
         p50_ms=_ms(number(r"^\s*50%\s+(\S+)")),
         p99_ms=_ms(number(r"^\s*99%\s+(\S+)")),
         non_2xx=int(number(r"Non-2xx or 3xx responses:\s*(\d+)", "0")),
+        socket_errors=_socket_errors(out),
     )
+
+
+def _socket_errors(out: str) -> int:
+    """wrk's ``Socket errors: connect 0, read 2, write 0, timeout 5`` (a line printed only when there are some)."""
+    line = re.search(r"^\s*Socket errors:(.*)$", out, re.MULTILINE)
+    return sum(int(n) for n in re.findall(r"\d+", line.group(1))) if line else 0
 
 
 def _ms(text: str) -> float:
@@ -210,16 +225,30 @@ def _report(results: list[Result], args: argparse.Namespace) -> None:
         f"# fairness: B at c=1 next to A at c={args.a_concurrency}; {args.cpu_ms:g} ms CPU per request, "
         f"A has {args.a_instances} instances; {args.seconds:g} s per run; capped = --max-inflight {args.cap}"
     )
-    print("| run | B p50 ms | B p99 ms | B p99 / solo | B rps | A rps | A refused |")
-    print("|---|---|---|---|---|---|---|")
+    print("| run | B p50 ms | B p99 ms | B p99 / solo | B rps | B failed | A rps | A refused |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         ratio = f"{r.b.p99_ms / solo:.2f}x" if solo else "-"
         a_rps, a_refused = (f"{r.a.rps:.0f}", str(r.a.non_2xx)) if r.a else ("-", "-")
-        print(f"| {r.run} | {r.b.p50_ms:.2f} | {r.b.p99_ms:.2f} | {ratio} | {r.b.rps:.0f} | {a_rps} | {a_refused} |")
+        print(
+            f"| {r.run} | {r.b.p50_ms:.2f} | {r.b.p99_ms:.2f} | {ratio} | {r.b.rps:.0f} | {r.b.failures} | {a_rps} "
+            f"| {a_refused} |"
+        )
+
+
+def verdict(results: list[Result]) -> tuple[str, int]:
+    """The line judging the 2x bar (none without a solo and a capped run) and the exit code. A run in which any of
+    B's requests failed gives no verdict and exits 1: its latencies would time error answers (a refusal comes
+    back fast), not the service B gets."""
+    if failing := [r for r in results if r.b.failures]:
+        runs = ", ".join(f"{r.run} {r.b.failures} of {r.b.requests}" for r in failing)
+        return f"no verdict: tenant B's requests failed (non-2xx or socket errors: {runs})", 1
+    solo = next((r.b.p99_ms for r in results if r.run == "solo"), None)
     capped = next((r for r in results if r.run == "capped"), None)
-    if solo and capped:
-        verdict = "meets" if capped.b.p99_ms <= 2 * solo else "MISSES"
-        print(f"\ncapped B p99 {capped.b.p99_ms:.2f} ms vs solo {solo:.2f} ms: {verdict} the 2x bar")
+    if not solo or capped is None:
+        return "", 0
+    met = "meets" if capped.b.p99_ms <= 2 * solo else "MISSES"
+    return f"capped B p99 {capped.b.p99_ms:.2f} ms vs solo {solo:.2f} ms: {met} the 2x bar", 0
 
 
 if __name__ == "__main__":
