@@ -1,5 +1,6 @@
-"""Issue 4's bars from `bench/proxy_bench.sh SECONDS ROUNDS` output (read on stdin): the median of each point
-over the rounds, for nginx and for the proxy, and whether each bar is met.
+"""Issue 4's bars from `bench/proxy_bench.sh SECONDS ROUNDS` output (read on stdin): each point of the proxy
+against nginx's in the same round (the two ran back to back), the median of those ratios over the rounds, and
+whether each bar is met. A round where either side's point failed is left out of that bar.
 
 usage: bash bench/proxy_bench.sh 5 3        (calls this at the end)   or   ... | .venv/bin/python bench/proxy_summary.py
 """
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}  # to milliseconds
 LINE = re.compile(r"^(nginx|ours(?:@\S+)?) (rest|grpc|stream) c=(\d+) (.*)$")  # ours@VENV: one more proxy
+ROUND = re.compile(r"^# round (\d+)")
+Values = dict[tuple[str, str, int, str], dict[int, float]]  # (target, protocol, concurrency, measure) → round → value
 
 
 @dataclass(frozen=True)
@@ -48,11 +51,15 @@ def failed(rest: str) -> bool:
     return errors is None or int(errors.group(1)) > 0
 
 
-def parse(lines: Iterable[str], skipped: list[str] | None = None) -> dict[tuple[str, str, int, str], list[float]]:
-    """(target, protocol, concurrency, measure) -> the values of every round; points with failed requests are
-    left out (and added to ``skipped``)."""
-    values: dict[tuple[str, str, int, str], list[float]] = defaultdict(list)
+def parse(lines: Iterable[str], skipped: list[str] | None = None) -> Values:
+    """(target, protocol, concurrency, measure) -> round -> value (round 0 before any ``# round N`` line); points
+    with failed requests are left out (and added to ``skipped``)."""
+    values: Values = defaultdict(dict)
+    round_ = 0
     for line in lines:
+        if heading := ROUND.match(line.strip()):
+            round_ = int(heading.group(1))
+            continue
         match = LINE.match(line.strip())
         if match is None:
             continue
@@ -64,11 +71,11 @@ def parse(lines: Iterable[str], skipped: list[str] | None = None) -> dict[tuple[
         fields = dict(item.split("=", 1) for item in rest.split() if "=" in item)
         key = (target, protocol, c)
         if "rps" in fields:
-            values[(*key, "rps")].append(float(fields["rps"]))
+            values[(*key, "rps")][round_] = float(fields["rps"])
         if "cpu_us_per_req" in fields:
-            values[(*key, "cpu")].append(float(fields["cpu_us_per_req"]))
+            values[(*key, "cpu")][round_] = float(fields["cpu_us_per_req"])
         if "p99" in fields:
-            values[(*key, "p99")].append(milliseconds(fields["p99"]))
+            values[(*key, "p99")][round_] = milliseconds(fields["p99"])
     return values
 
 
@@ -76,25 +83,29 @@ def number(value: float) -> str:
     return f"{value:.2f}" if value < 100 else f"{value:.0f}"
 
 
-def report(values: dict[tuple[str, str, int, str], list[float]], target: str = "ours") -> list[str]:
-    """The bars for one proxy (``ours``, or ``ours@VENV``) against nginx."""
+def report(values: Values, target: str = "ours") -> list[str]:
+    """The bars for one proxy (``ours``, or ``ours@VENV``) against nginx, each judged on the median of the
+    ratios of the rounds where both have the point (medians of unrelated rounds would mix the load each saw)."""
     label = "tritonshare" if target == "ours" else target
     out = [
-        f"| bar (CPU µs/req, rps, p99 ms) | nginx (median) | {label} (median) | ratio | rounds (ratio each) | met |",
+        f"| bar (CPU µs/req, rps, p99 ms) | nginx (median) | {label} (median) | ratio (median) | rounds (ratio each) "
+        "| met |",
         "|---|---:|---:|---:|---|:---:|",
     ]
     for bar in BARS:
-        theirs = values.get(("nginx", bar.protocol, bar.concurrency, bar.measure), [])
-        ours = values.get((target, bar.protocol, bar.concurrency, bar.measure), [])
-        if not theirs or not ours:
+        theirs = values.get(("nginx", bar.protocol, bar.concurrency, bar.measure), {})
+        ours = values.get((target, bar.protocol, bar.concurrency, bar.measure), {})
+        rounds = sorted(theirs.keys() & ours.keys())
+        if not rounds:
             continue
-        ratio = statistics.median(ours) / statistics.median(theirs)
-        each = ", ".join(f"{o / t:.2f}" for o, t in zip(ours, theirs, strict=False))
+        ratios = [ours[r] / theirs[r] for r in rounds]
+        ratio = statistics.median(ratios)
+        each = ", ".join(f"{r:.2f}" for r in ratios)
         met = ratio >= bar.limit if bar.measure == "rps" else ratio <= bar.limit
         sign = "≥" if bar.measure == "rps" else "≤"
         name = f"{bar.protocol} c={bar.concurrency} {bar.measure} {sign} {bar.limit:g}×"
-        medians = f"{number(statistics.median(theirs))} | {number(statistics.median(ours))}"
-        out.append(f"| {name} | {medians} | {ratio:.2f}× | {each} | {'yes' if met else '**no**'} |")
+        nginx, proxy = (number(statistics.median(side[r] for r in rounds)) for side in (theirs, ours))
+        out.append(f"| {name} | {nginx} | {proxy} | {ratio:.2f}× | {each} | {'yes' if met else '**no**'} |")
     return out
 
 
