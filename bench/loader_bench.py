@@ -10,8 +10,10 @@ Servers (all on loopback, started and stopped here):
 Models (bucket ``models``): ``small`` (200 files of 256 KiB), ``big`` (one 200 MiB file), ``huge`` (one 2 GiB
 file). Every tool downloads each model in a fresh process, several times (the 2 GiB model 3 times), tools
 taking turns so a burst of load elsewhere hits them alike, who goes first rotating from round to round. Figures
-are whole-process: start-up, listing, transfer, verification — what an init container costs. Peak RSS is the
-process's (for ``curl | tar`` the largest of the pipeline), measured by GNU time.
+are whole-process: interpreter start-up, listing, transfer, verification. tritonshare's process is a child that
+imports only the download path, not the ``tritonshare load`` command (its CLI, settings, logging, leases and Triton
+calls are left out: ``--ready`` times the whole command): the download's share of what an init container costs.
+Peak RSS is the process's (for ``curl | tar`` the largest of the pipeline), measured by GNU time.
 
     scripts/setup.sh --bench                        # .venv-bench: s5cmd, kserve-storage, rclone; .venv-opt
     .venv/bin/python bench/loader_bench.py --runs 5 --ready  # --huge-mib 0: no 2 GiB model
