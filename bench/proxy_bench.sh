@@ -4,7 +4,10 @@
 # baseline), and through `tritonshare proxy`; CPU µs per request of each proxy process, rps, latency; and the
 # proxy's RSS idle and after load. With ROUNDS > 1, nginx and the proxy take turns ROUNDS times (which goes first
 # alternates, so a load that drifts on a shared node weighs on both alike), and bench/proxy_summary.py prints
-# the median of each point and the bars.
+# the median of each point and the bars. h2load counts a gRPC reply as a success whatever its grpc-status and wrk
+# any HTTP answer, so each turn is checked by the counts of the proxy (its /metrics) and Triton
+# (nv_inference_request_failure), read before and after it (bench/answers.py); a turn whose answers were not all
+# successes has its points left out and the run exits 1.
 # usage: bench/proxy_bench.sh [SECONDS] [ROUNDS] [VENV...]   (needs scripts/setup.sh --bench; uses ../shared/bench)
 # The proxy runs from .venv-opt (tritonshare on an optimized CPython, as in the image: bench/target.py), else .venv,
 # or from TRITONSHARE_BENCH_VENV. Each VENV after ROUNDS runs one more proxy from that venv, labelled
@@ -48,17 +51,17 @@ grep -q 'http2; client_max_body_size 0;' "$run/yard/nginx.conf.in" || {
   exit 1
 }
 nginx_pids=$(bash "$run/yard/nginx-up.sh" "$run/nginx" identity "$th" "$tg" "$nh" "$ng")
-declare -A http_port grpc_port pid_of
+declare -A http_port grpc_port metrics_port pid_of
 labels=(ours)
 # LABEL VENV: one `tritonshare proxy` from VENV
 start_proxy() {
-  local hp gp
-  hp=$(port) gp=$(port)
+  local hp gp mp
+  hp=$(port) gp=$(port) mp=$(port)
   "$root/$2/bin/tritonshare" --log-level warning proxy --name identity --host 127.0.0.1 \
     --triton-url "http://127.0.0.1:$th" --triton-grpc "127.0.0.1:$tg" \
-    --http-port "$hp" --grpc-port "$gp" --metrics-port "$(port)" --no-unload \
+    --http-port "$hp" --grpc-port "$gp" --metrics-port "$mp" --no-unload \
     --repository "$run/models" --staging "$run/staging" 2>"$run/proxy-${1//[^a-z0-9]/_}.log" &
-  pid_of[$1]=$!; pids+=("$!"); http_port[$1]=$hp; grpc_port[$1]=$gp
+  pid_of[$1]=$!; pids+=("$!"); http_port[$1]=$hp; grpc_port[$1]=$gp; metrics_port[$1]=$mp
   for _ in $(seq 1 60); do curl -fs "http://127.0.0.1:$hp/v2/health/live" >/dev/null 2>&1 && break; sleep 0.1; done
 }
 start_proxy ours "$venv"
@@ -77,15 +80,36 @@ export PY="$root/.venv/bin/python"
 stream() { "$PY" bench/stream_bench.py "127.0.0.1:$2" --seconds "$secs" --label "$1" --pids "${@:3}" || true; }
 nginx() { bash "$yard/proxy-bench.sh" nginx identity "$nh" "$ng" "$secs" $nginx_pids; stream nginx "$ng" $nginx_pids; }
 # LABEL: one of the proxies
-ours() {
+ours_turn() {
   bash "$yard/proxy-bench.sh" "$1" identity "${http_port[$1]}" "${grpc_port[$1]}" "$secs" "${pid_of[$1]}"
   stream "$1" "${grpc_port[$1]}" "${pid_of[$1]}"
 }
-contestant() { if [ "$1" = nginx ]; then nginx; else ours "$1"; fi; }
+direct() { bash "$yard/proxy-bench.sh" direct identity "$th" "$tg" "$secs"; stream direct "$tg"; }
+# LABEL WHEN: Triton's metrics page, and the proxy's for one of ours, saved before or after LABEL's turn (an
+# unreadable page leaves an empty file: bench/answers.py then prints "unreadable", not a success)
+pages() {
+  local f=$run/pages-${1//[^a-z0-9]/_}
+  curl -fsS "http://127.0.0.1:$tm/metrics" >"$f-triton-$2" || true
+  if [ -n "${metrics_port[$1]:-}" ]; then
+    curl -fsS "http://127.0.0.1:${metrics_port[$1]}/metrics" >"$f-proxy-$2" || true
+  fi
+}
+# LABEL: the turn's answers line (bench/answers.py). Up to one request cut per connection as wrk and h2load end a
+# timed run, at c=1 and c=16 (the yardstick's proxy-bench.sh): 17 REST + 17 gRPC.
+answers() {
+  local f=$run/pages-${1//[^a-z0-9]/_} proxy=()
+  if [ -n "${metrics_port[$1]:-}" ]; then proxy=("$f-proxy-before" "$f-proxy-after"); fi
+  "$PY" bench/answers.py "$1" 34 "$f-triton-before" "$f-triton-after" "${proxy[@]}"
+}
+# LABEL COMMAND...: one turn, its answers checked by the counts read just before and after it (not while timed)
+turn() {
+  local label=$1; shift
+  pages "$label" before; "$@"; pages "$label" after; answers "$label"
+}
+contestant() { if [ "$1" = nginx ]; then turn nginx nginx; else turn "$1" ours_turn "$1"; fi; }
 everyone=(nginx "${labels[@]}")
 {
-  bash "$yard/proxy-bench.sh" direct identity "$th" "$tg" "$secs"
-  stream direct "$tg"
+  turn direct direct
   for round in $(seq 1 "$rounds"); do
     [ "$rounds" -gt 1 ] && echo "# round $round"
     # who goes first rotates (with nginx and one proxy: alternates), so a drifting load weighs on all alike
@@ -94,5 +118,4 @@ everyone=(nginx "${labels[@]}")
   done
 } | tee "$run/lines"
 echo "tritonshare proxy RSS after load: $(( $(rss "$proxy") / 1024 )) MiB (peak $(( $(hwm "$proxy") / 1024 )) MiB)"
-[ "$rounds" -gt 1 ] && "$PY" bench/proxy_summary.py <"$run/lines"
-exit 0
+if [ "$rounds" -gt 1 ]; then "$PY" bench/proxy_summary.py <"$run/lines"; else "$PY" bench/proxy_summary.py --answers <"$run/lines"; fi

@@ -1,8 +1,11 @@
 """Issue 4's bars from `bench/proxy_bench.sh SECONDS ROUNDS` output (read on stdin): each point of the proxy
 against nginx's in the same round (the two ran back to back), the median of those ratios over the rounds, and
-whether each bar is met. A round where either side's point failed is left out of that bar.
+whether each bar is met. A round where either side's point failed is left out of that bar, and so is every point
+of a contestant in a round whose ``answers`` line (bench/answers.py: the proxy's and Triton's own counts) shows
+an answer that was not a success; either makes the exit code 1. ``--answers`` only checks the answers lines.
 
 usage: bash bench/proxy_bench.sh 5 3        (calls this at the end)   or   ... | .venv/bin/python bench/proxy_summary.py
+       ... | .venv/bin/python bench/proxy_summary.py --answers
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}  # to milliseconds
 LINE = re.compile(r"^(nginx|ours(?:@\S+)?) (rest|grpc|stream) c=(\d+) (.*)$")  # ours@VENV: one more proxy
 ROUND = re.compile(r"^# round (\d+)")
+ANSWERS = re.compile(r"^(\S+) answers (.*)$")
 Values = dict[tuple[str, str, int, str], dict[int, float]]  # (target, protocol, concurrency, measure) → round → value
 
 
@@ -51,22 +55,53 @@ def failed(rest: str) -> bool:
     return errors is None or int(errors.group(1)) > 0
 
 
-def parse(lines: Iterable[str], skipped: list[str] | None = None) -> Values:
-    """(target, protocol, concurrency, measure) -> round -> value (round 0 before any ``# round N`` line); points
-    with failed requests are left out (and added to ``skipped``)."""
-    values: Values = defaultdict(dict)
-    round_ = 0
+def all_succeeded(rest: str) -> bool:
+    """Whether an ``answers`` line shows every answer of the turn a success: Triton failed none and, where the
+    proxy's own count is there, it gave no other answer than a success, and cut no more than the limit."""
+    fields = dict(item.split("=", 1) for item in rest.split() if "=" in item)
+    if fields.get("triton_failed") != "0":
+        return False  # a failure, or the pages were unreadable
+    if "cut" not in fields:
+        return True  # nginx, direct: Triton's count only
+    cut, limit = fields["cut"].split("/")
+    return fields.get("other") == "0" and int(cut) <= int(limit)
+
+
+def by_round(lines: Iterable[str]) -> list[tuple[int, str]]:
+    """Each line, stripped, with its round (0 before any ``# round N`` line)."""
+    out, round_ = [], 0
     for line in lines:
         if heading := ROUND.match(line.strip()):
             round_ = int(heading.group(1))
-            continue
-        match = LINE.match(line.strip())
+        out.append((round_, line.strip()))
+    return out
+
+
+def unanswered(lines: list[tuple[int, str]]) -> dict[tuple[str, int], str]:
+    """(target, round) → its answers line, for each turn whose answers were not all successes."""
+    found = ((round_, ANSWERS.match(line)) for round_, line in lines)
+    return {(m.group(1), round_): m.group(0) for round_, m in found if m and not all_succeeded(m.group(2))}
+
+
+def parse(lines: Iterable[str], skipped: list[str] | None = None, refused: list[str] | None = None) -> Values:
+    """(target, protocol, concurrency, measure) -> round -> value (round 0 before any ``# round N`` line); points
+    with failed requests are left out (and added to ``skipped``), and so are a contestant's points in a round
+    whose answers were not all successes (its answers line added to ``refused``)."""
+    values: Values = defaultdict(dict)
+    numbered = by_round(lines)
+    bad = unanswered(numbered)
+    if refused is not None:
+        refused.extend(f"round {round_}: {line}" for (_, round_), line in bad.items())
+    for round_, line in numbered:
+        match = LINE.match(line)
         if match is None:
             continue
         target, protocol, c, rest = match.group(1), match.group(2), int(match.group(3)), match.group(4)
+        if (target, round_) in bad:
+            continue
         if failed(rest):
             if skipped is not None:
-                skipped.append(line.strip())
+                skipped.append(line)
             continue
         fields = dict(item.split("=", 1) for item in rest.split() if "=" in item)
         key = (target, protocol, c)
@@ -109,17 +144,30 @@ def report(values: Values, target: str = "ours") -> list[str]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    lines = sys.stdin.readlines()
+    if argv == ["--answers"]:
+        numbered = by_round(lines)
+        for (_, round_), line in unanswered(numbered).items():
+            print(f"not every answer a success, round {round_}: {line}")
+        turns = sum(1 for _, line in numbered if ANSWERS.match(line))
+        print(f"answers checked in {turns} turns" + ("" if turns else ": none found, nothing shows they succeeded"))
+        return 1 if unanswered(numbered) or not turns else 0
     skipped: list[str] = []
-    values = parse(sys.stdin, skipped)
+    refused: list[str] = []
+    values = parse(lines, skipped, refused)
     others = sorted({key[0] for key in values if key[0].startswith("ours@")})
     print("\n".join(report(values)))
     for target in others:
         print("\n" + "\n".join(report(values, target)))
     for line in skipped:
         print(f"left out (requests failed): {line}")
-    return 1 if skipped else 0
+    for line in refused:
+        print(f"left out (not every answer a success: the contestant's points of that round): {line}")
+    if not any(ANSWERS.match(line.strip()) for line in lines):
+        print("no answers lines (bench/answers.py): whether every answer was a success is not checked")
+    return 1 if skipped or refused else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

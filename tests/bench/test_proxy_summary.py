@@ -3,7 +3,11 @@ ran back to back) over interleaved rounds."""
 
 from __future__ import annotations
 
-from bench.proxy_summary import milliseconds, parse, report
+import io
+import sys
+
+import pytest
+from bench.proxy_summary import all_succeeded, main, milliseconds, parse, report
 
 ROUNDS = """\
 direct rest c=1 rps=4600.0 p50=200.00us p99=1.70ms non2xx=0
@@ -71,3 +75,51 @@ def test_a_round_where_one_side_failed_is_left_out_not_paired_with_another_round
     # 1.10× in both rounds run side by side; round 1's 40 against round 2's 50 (0.80) or medians of unrelated
     # rounds (55 / 75 = 0.73) would meet the bar
     assert "| 75.00 | 82.50 | 1.10× | 1.10, 1.10 | **no** |" in rows["rest c=16 cpu ≤ 1×"]
+
+
+ANSWERED = """\
+# round 1
+nginx rest c=1 rps=3000.0 p50=250.00us p99=500.00us non2xx=0 cpu_us_per_req=50.0
+nginx answers triton_failed=0
+ours rest c=1 rps=9000.0 p50=80.00us p99=150.00us non2xx=0 cpu_us_per_req=15.0
+ours answers ok=5 cut=0/34 other=45000 triton_failed=0 (grpc unavailable: 45000)
+# round 2
+ours rest c=1 rps=3100.0 p50=240.00us p99=450.00us non2xx=0 cpu_us_per_req=55.0
+ours answers ok=45000 cut=17/34 other=0 triton_failed=0
+nginx rest c=1 rps=3000.0 p50=250.00us p99=500.00us non2xx=0 cpu_us_per_req=50.0
+nginx answers triton_failed=0
+"""
+
+
+def test_a_turn_whose_answers_were_not_all_successes_is_left_out_of_every_bar() -> None:
+    refused: list[str] = []
+    values = parse(ANSWERED.splitlines(), refused=refused)
+    assert values["ours", "rest", 1, "cpu"] == {2: 55.0}  # round 1's fast figures timed refusals
+    assert refused == ["round 1: ours answers ok=5 cut=0/34 other=45000 triton_failed=0 (grpc unavailable: 45000)"]
+    assert "| 1.10× | 1.10 | **no** |" in report(values)[2]
+
+
+def test_answers_lines_fail_on_triton_failures_too_many_cuts_or_unreadable_pages() -> None:
+    assert all_succeeded("triton_failed=0") and all_succeeded("ok=9 cut=34/34 other=0 triton_failed=0")
+    assert not all_succeeded("triton_failed=3")
+    assert not all_succeeded("ok=9 cut=35/34 other=0 triton_failed=0")
+    assert not all_succeeded("ok=9 cut=0/34 other=0 triton_failed=1")
+    assert not all_succeeded("unreadable (a metrics page was empty)")
+
+
+def test_the_summary_and_the_answers_check_exit_1_on_a_turn_not_all_successes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(ANSWERED))
+    assert main([]) == 1
+    assert "left out (not every answer a success" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", io.StringIO(ANSWERED))
+    assert main(["--answers"]) == 1
+    assert "not every answer a success, round 1: ours answers" in capsys.readouterr().out
+    good = ANSWERED.replace(
+        "ok=5 cut=0/34 other=45000 triton_failed=0 (grpc unavailable: 45000)", "ok=9 cut=0/34 other=0 triton_failed=0"
+    )
+    monkeypatch.setattr(sys, "stdin", io.StringIO(good))
+    assert main(["--answers"]) == 0
+    monkeypatch.setattr(sys, "stdin", io.StringIO("ours rest c=1 rps=1.0 p50=1ms p99=1ms non2xx=0\n"))
+    assert main(["--answers"]) == 1  # nothing shows the answers succeeded
