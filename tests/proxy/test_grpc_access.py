@@ -486,6 +486,34 @@ def test_bearer_token_right_passes_wrong_or_missing_is_unauthenticated(
     assert metric(samples, "tritonshare_proxy_auth_refused_total", reason="invalid") == 2
 
 
+def test_authorization_given_twice_is_invalid_argument_and_counted_as_bad_request(
+    start_proxy: StartProxy, served_models: ServedModels, tokens: Path
+) -> None:
+    """Whichever of two tokens the proxy checked, Triton or a later reader might take the other: a call with
+    ``authorization`` more than once is refused, as REST refuses a repeated Authorization header (400)."""
+    proxy = start_proxy(served_models.own, "--no-unload", "--auth-token-file", str(tokens))
+    own = served_models.own
+    good, bad = ("authorization", "Bearer token-one"), ("authorization", "Bearer token-three")
+    request = pb.ModelMetadataRequest(name=own).SerializeToString()
+    with grpc.insecure_channel(proxy.grpc_url) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelMetadata")
+        for metadata in ([good, bad], [bad, good], [good, good]):
+            with pytest.raises(grpc.RpcError) as rpc:
+                call(request, timeout=10, metadata=metadata)
+            assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, metadata
+            assert "more than once" in (rpc.value.details() or "")
+        assert pb.ModelMetadataResponse.FromString(call(request, timeout=10, metadata=[good])).name == own
+    head = f"GET /v2/models/{own} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer token-one\r\n"
+    with socket.create_connection(("127.0.0.1", proxy.http_port), timeout=10) as sock:
+        sock.sendall(f"{head}Authorization: Bearer token-three\r\n\r\n".encode())
+        assert sock.recv(1 << 16).startswith(b"HTTP/1.1 400 ")
+    samples = scrape(proxy)
+    assert metric(samples, "tritonshare_proxy_refusals_total", protocol="grpc", reason="bad_request") == 3
+    assert metric(samples, "tritonshare_proxy_refusals_total", protocol="rest", reason="bad_request") == 1
+    assert metric(samples, "tritonshare_proxy_requests_total", route="ModelMetadata", code="invalid_argument") == 3
+    assert metric(samples, "tritonshare_proxy_auth_refused_total", reason="invalid") == 0  # not a token check
+
+
 def test_token_file_change_is_picked_up_without_restart(
     start_proxy: StartProxy,
     served_models: ServedModels,

@@ -126,3 +126,13 @@ def test_path_and_encoding_are_read_once_and_repeats_are_flagged() -> None:
     assert ours.decode(bytes(encoder.encode([(b":path", b"/a"), (b":path", b"/b")]))).ambiguous
     assert ours.decode(bytes(encoder.encode([(b"grpc-encoding", b"gzip"), (b"grpc-encoding", b"x")]))).ambiguous
     assert ours.decode(bytes(encoder.encode([(b"te", b"trailers")]))).path is None
+
+
+def test_authorization_is_read_and_a_repeat_is_flagged_whatever_comes_between() -> None:
+    encoder, ours = hpack.Encoder(), HeaderDecoder()
+    once = ours.decode(bytes(encoder.encode([(b":path", b"/a"), (b"authorization", b"Bearer t")])))
+    assert (once.authorization, once.repeated_authorization, once.ambiguous) == (b"Bearer t", False, False)
+    fields = [(b"authorization", b"Bearer t"), (b":path", b"/a"), (b"authorization", b"Bearer u")]
+    twice = ours.decode(bytes(encoder.encode(fields)))
+    assert (twice.authorization, twice.repeated_authorization, twice.ambiguous) == (b"Bearer t", True, False)
+    assert ours.decode(bytes(encoder.encode([(b":path", b"/a")]))).authorization is None

@@ -1,11 +1,12 @@
 """A new gRPC stream judged by its header block, and the verdicts the proxy answers itself acted on.
 
 The policy table (:mod:`tritonshare.proxy.policy`) judges the stream's ``:path``; before its verdict is acted
-on, a block that is malformed, a caller without a valid bearer token (when tokens are on; the probes stay
-open), an unreachable Triton and a drain each have their answer. READY and LIVE are answered with the own
-model's readiness and Triton's liveness as the proxy keeps them, and DENY refused, here; what is left goes to
-Triton (the relay forwards it), unless the client already has ``grpc_max_streams`` streams open there
-(REFUSED_STREAM, which clients retry).
+on, a block that is malformed, one with ``authorization`` more than once (INVALID_ARGUMENT, as REST answers
+400: the token checked must be the only one, whichever a later reader takes), a caller without a valid bearer
+token (when tokens are on; the probes stay open), an unreachable Triton and a drain each have their answer.
+READY and LIVE are answered with the own model's readiness and Triton's liveness as the proxy keeps them, and
+DENY refused, here; what is left goes to Triton (the relay forwards it), unless the client already has
+``grpc_max_streams`` streams open there (REFUSED_STREAM, which clients retry).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tritonshare.proxy.grpc_answers import LocalAnswers
 from tritonshare.proxy.grpc_streams import PROTOCOL, StreamTable
 from tritonshare.proxy.hpack_codec import HeaderBlock
 from tritonshare.proxy.policy import (
+    GRPC_INVALID_ARGUMENT,
     GRPC_PERMISSION_DENIED,
     GRPC_RESOURCE_EXHAUSTED,
     GRPC_UNAUTHENTICATED,
@@ -44,6 +46,7 @@ class Unavailable(NamedTuple):
     reason: str
 
 
+REPEATED_AUTHORIZATION = "authorization metadata given more than once; send one bearer token"
 TRITON_DOWN = Unavailable("Triton is not reachable from the proxy; retry later", "unavailable")
 
 
@@ -86,6 +89,8 @@ class NewStreams:
             self._streams.answer_locally(stream_id)
             self._to_client(http2.rst_stream(stream_id, http2.PROTOCOL_ERROR))
             self._state.refuse(PROTOCOL, "unknown", "protocol_error", "malformed")
+        elif block.repeated_authorization:  # the token checked here and the one a later reader takes might differ
+            self._answers.refuse_new(stream_id, route, GRPC_INVALID_ARGUMENT, REPEATED_AUTHORIZATION, "bad_request")
         elif self._auth is not None and not self._authenticated(rule, block):
             self._answers.refuse_new(stream_id, route, GRPC_UNAUTHENTICATED, AUTH_MESSAGE, "unauthenticated")
         elif unavailable is not None:
@@ -108,7 +113,7 @@ class NewStreams:
         assert self._auth is not None
         if rule is not None and rule.route in OPEN_GRPC_ROUTES:
             return True
-        return self._auth.check_grpc(block.get(b"authorization"))
+        return self._auth.check_grpc(block.authorization)
 
     def _forwarded(self, stream_id: int, rule: GrpcRule) -> GrpcRule | None:
         """A stream for Triton, unless the client already has as many open there as the proxy advertises

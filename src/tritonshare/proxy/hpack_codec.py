@@ -55,6 +55,10 @@ class HpackError(Exception):
     """A header block that cannot be decoded: the connection's compression state is lost."""
 
 
+# The fields a header block is read for, each counted in the one pass over its headers (:meth:`HeaderBlock.of`).
+_READ = frozenset({b":path", b"grpc-encoding", b"grpc-status", b"authorization"})
+
+
 @dataclass(frozen=True, slots=True)
 class HeaderBlock:
     headers: tuple[Header, ...]
@@ -63,12 +67,20 @@ class HeaderBlock:
     encoding: bytes | None  # grpc-encoding
     ambiguous: bool  # :path or grpc-encoding given more than once: readers might disagree on which counts
     status: bytes | None  # grpc-status (of a response's trailers), read once per distinct block
+    authorization: bytes | None  # the bearer token's header (the first, if repeated)
+    repeated_authorization: bool  # authorization given more than once: the proxy and Triton might read either
 
     @classmethod
     def of(cls, headers: tuple[Header, ...], changes_table: bool) -> HeaderBlock:
-        paths = [value for name, value in headers if name == b":path"]
-        encodings = [value for name, value in headers if name == b"grpc-encoding"]
-        statuses = [value for name, value in headers if name == b"grpc-status"]
+        """The block with the fields the proxy reads, found in one pass over its headers."""
+        found: dict[bytes, list[bytes]] = {}
+        for name, value in headers:
+            if name in _READ:
+                found.setdefault(name, []).append(value)
+        paths = found.get(b":path", ())
+        encodings = found.get(b"grpc-encoding", ())
+        statuses = found.get(b"grpc-status", ())
+        tokens = found.get(b"authorization", ())
         return cls(
             headers,
             changes_table,
@@ -76,6 +88,8 @@ class HeaderBlock:
             encodings[0] if encodings else None,
             len(paths) > 1 or len(encodings) > 1,
             statuses[0] if statuses else None,
+            tokens[0] if tokens else None,
+            len(tokens) > 1,
         )
 
     def get(self, name: bytes) -> bytes | None:
