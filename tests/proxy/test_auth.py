@@ -32,7 +32,7 @@ def clock() -> Clock:
 
 
 def tokens_at(path: Path, clock: Clock, registry: CollectorRegistry | None = None) -> BearerTokens:
-    return BearerTokens(path, clock=clock, registry=registry)
+    return BearerTokens(path, clock=clock, registry=registry, model="m")
 
 
 def write(path: Path, text: str) -> Path:
@@ -251,10 +251,12 @@ def test_metrics_count_tokens_reloads_and_refusals(tmp_path: Path, clock: Clock)
     write(path, "c\n")
     clock.now += 1.1
     tokens.check_http(b"Bearer c")
-    assert registry.get_sample_value("tritonshare_proxy_auth_tokens") == 1
-    assert registry.get_sample_value("tritonshare_proxy_auth_reloads_total") == 1
-    assert registry.get_sample_value("tritonshare_proxy_auth_refused_total", {"reason": "missing"}) == 1
-    assert registry.get_sample_value("tritonshare_proxy_auth_refused_total", {"reason": "invalid"}) == 1
+    model = {"model": "m"}  # as every proxy family: a node-wide Prometheus tells the tenants apart
+    assert registry.get_sample_value("tritonshare_proxy_auth_tokens", model) == 1
+    assert registry.get_sample_value("tritonshare_proxy_auth_reloads_total", model) == 1
+    assert registry.get_sample_value("tritonshare_proxy_auth_reload_errors_total", model) == 0
+    assert registry.get_sample_value("tritonshare_proxy_auth_refused_total", {**model, "reason": "missing"}) == 1
+    assert registry.get_sample_value("tritonshare_proxy_auth_refused_total", {**model, "reason": "invalid"}) == 1
 
 
 def test_open_routes_are_only_probes_the_proxy_answers_itself() -> None:

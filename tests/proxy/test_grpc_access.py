@@ -480,10 +480,10 @@ def test_bearer_token_right_passes_wrong_or_missing_is_unauthenticated(
             )
         assert rpc.value.code() == grpc.StatusCode.PERMISSION_DENIED
     samples = scrape(proxy)
-    assert metric(samples, "tritonshare_proxy_auth_tokens") == 2
+    assert metric(samples, "tritonshare_proxy_auth_tokens", model=own) == 2
     # missing: no header and a token without "Bearer" (infer + metadata each), the two raw calls
-    assert metric(samples, "tritonshare_proxy_auth_refused_total", reason="missing") == 6
-    assert metric(samples, "tritonshare_proxy_auth_refused_total", reason="invalid") == 2
+    assert metric(samples, "tritonshare_proxy_auth_refused_total", model=own, reason="missing") == 6
+    assert metric(samples, "tritonshare_proxy_auth_refused_total", model=own, reason="invalid") == 2
 
 
 def test_authorization_given_twice_is_invalid_argument_and_counted_as_bad_request(
@@ -609,6 +609,9 @@ def test_certificate_rotation_reaches_new_connections_without_restart(
     assert codes(infer_all(before, served_models.own, [3])) == ["OK"]  # the open connection goes on
     assert proxy.process is not None and proxy.process.poll() is None
     assert "TLS certificate reloaded" in proxy.log_text()
+    samples, own = scrape(proxy), served_models.own  # the metrics port is plain HTTP
+    assert metric(samples, "tritonshare_proxy_tls_reloads_total", model=own) >= 1
+    assert metric(samples, "tritonshare_proxy_tls_certificate_not_after_timestamp_seconds", model=own) > time.time()
 
 
 # ---------------------------------------------------------------------------------------------- start-up

@@ -25,6 +25,8 @@ from tests.support.certs import CertificateAuthority, write_atomically
 from tritonshare.common.errors import UsageError
 from tritonshare.proxy.tls import TlsCertificates
 
+MODEL = {"model": "m"}  # the label every proxy family carries (a node-wide Prometheus tells tenants apart)
+
 
 class Clock:
     def __init__(self) -> None:
@@ -159,7 +161,7 @@ def test_rotated_certificate_reaches_new_connections_while_open_ones_go_on(
 ) -> None:
     cert, key = pair
     registry = CollectorRegistry()
-    certificates = TlsCertificates(cert, key, clock=clock, registry=registry)
+    certificates = TlsCertificates(cert, key, clock=clock, registry=registry, model="m")
 
     async def scenario() -> None:
         async with echo_server(certificates.server_context("grpc")) as port:
@@ -177,7 +179,7 @@ def test_rotated_certificate_reaches_new_connections_while_open_ones_go_on(
                 await conn.close()
 
     run(scenario())
-    assert registry.get_sample_value("tritonshare_proxy_tls_reloads_total") == 1
+    assert registry.get_sample_value("tritonshare_proxy_tls_reloads_total", MODEL) == 1
 
 
 def kubernetes_tls_secret(root: Path, version: str, cert_pem: bytes, key_pem: bytes) -> tuple[Path, Path]:
@@ -229,7 +231,7 @@ def test_half_rotated_pair_keeps_the_old_certificate_until_the_key_arrives(
 ) -> None:
     cert, key = pair
     registry = CollectorRegistry()
-    certificates = TlsCertificates(cert, key, clock=clock, registry=registry)
+    certificates = TlsCertificates(cert, key, clock=clock, registry=registry, model="m")
     new_cert, new_key = ca.issue(serial=4004)
 
     async def scenario() -> None:
@@ -252,7 +254,7 @@ def test_half_rotated_pair_keeps_the_old_certificate_until_the_key_arrives(
         run(scenario())
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "KEY_VALUES_MISMATCH" in warnings[0] and "still serving the previous" in warnings[0]
-    assert registry.get_sample_value("tritonshare_proxy_tls_reload_errors_total") == 3
+    assert registry.get_sample_value("tritonshare_proxy_tls_reload_errors_total", MODEL) == 3
 
 
 def test_bad_files_at_start_are_usage_errors(tmp_path: Path, ca: CertificateAuthority, pair: tuple[Path, Path]) -> None:
@@ -328,7 +330,7 @@ def test_a_rotation_to_an_expired_or_not_yet_valid_certificate_keeps_the_current
     one comes."""
     cert, key = pair
     registry = CollectorRegistry()
-    certificates = TlsCertificates(cert, key, clock=clock, registry=registry)
+    certificates = TlsCertificates(cert, key, clock=clock, registry=registry, model="m")
     expired = ca.issue(serial=6001, not_before=_days(-30), not_after=_days(-1))
     future = ca.issue(serial=6002, not_before=_days(1), not_after=_days(30))
 
@@ -351,8 +353,8 @@ def test_a_rotation_to_an_expired_or_not_yet_valid_certificate_keeps_the_current
     assert len(warnings) == 2 and all("still serving the previous certificate" in w for w in warnings)
     assert "changed but the new certificate expired at 20" in warnings[0]
     assert "changed but the new certificate is not valid before 20" in warnings[1]
-    assert registry.get_sample_value("tritonshare_proxy_tls_reload_errors_total") == 2
-    assert registry.get_sample_value("tritonshare_proxy_tls_reloads_total") == 1
+    assert registry.get_sample_value("tritonshare_proxy_tls_reload_errors_total", MODEL) == 2
+    assert registry.get_sample_value("tritonshare_proxy_tls_reloads_total", MODEL) == 1
 
 
 def test_an_expired_certificate_at_start_is_served_with_a_warning_and_its_expiry_is_exported(
@@ -364,11 +366,11 @@ def test_an_expired_certificate_at_start_is_served_with_a_warning_and_its_expiry
     key.write_bytes(key_pem)
     registry = CollectorRegistry()
     with caplog.at_level(logging.WARNING, logger="tritonshare.proxy.tls"):
-        TlsCertificates(cert, key, registry=registry)
+        TlsCertificates(cert, key, registry=registry, model="m")
     assert [r.getMessage() for r in caplog.records] == [
         f"TLS certificate {cert} expired at "
         f"{x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc:%Y-%m-%dT%H:%M:%SZ}; "
         "serving it all the same — renew the Secret"
     ]
-    exported = registry.get_sample_value("tritonshare_proxy_tls_certificate_not_after_timestamp_seconds")
+    exported = registry.get_sample_value("tritonshare_proxy_tls_certificate_not_after_timestamp_seconds", MODEL)
     assert exported == x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc.timestamp()

@@ -73,7 +73,9 @@ class BearerTokens:
         clock: Callable[[], float] = time.monotonic,
         check_interval_s: float = 1.0,
         registry: CollectorRegistry | None = None,
+        model: str = "",
     ) -> None:
+        """``registry``: where the token metrics are exported, labelled ``model`` (the proxy's own model)."""
         self.path = path
         self._clock = clock
         self._interval_s = check_interval_s
@@ -84,7 +86,7 @@ class BearerTokens:
         self.stats = {"reloads": 0, "reload_errors": 0, "missing": 0, "invalid": 0}
         self._load_at_start()
         if registry is not None:
-            registry.register(AuthCollector(self))
+            registry.register(AuthCollector(self, model))
 
     @property
     def count(self) -> int:
@@ -215,29 +217,37 @@ def _identity(stat: os.stat_result) -> _FileIdentity:
 
 
 class AuthCollector(Collector):
-    """Exports the token count and the reload and refusal counters, read at scrape time."""
+    """Exports the token count and the reload and refusal counters, read at scrape time, labelled with the
+    proxy's model like its other families (a node-wide Prometheus tells the tenants apart by it)."""
 
-    def __init__(self, tokens: BearerTokens) -> None:
+    def __init__(self, tokens: BearerTokens, model: str) -> None:
         self._tokens = tokens
+        self._model = model
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._tokens.stats
-        loaded = GaugeMetricFamily("tritonshare_proxy_auth_tokens", "Bearer tokens loaded from the token file.")
-        loaded.add_metric([], self._tokens.count)
+        stats, model = self._tokens.stats, self._model
+        loaded = GaugeMetricFamily(
+            "tritonshare_proxy_auth_tokens", "Bearer tokens loaded from the token file.", labels=["model"]
+        )
+        loaded.add_metric([model], self._tokens.count)
         yield loaded
-        reloads = CounterMetricFamily("tritonshare_proxy_auth_reloads", "Reloads of the changed token file.")
-        reloads.add_metric([], stats["reloads"])
+        reloads = CounterMetricFamily(
+            "tritonshare_proxy_auth_reloads", "Reloads of the changed token file.", labels=["model"]
+        )
+        reloads.add_metric([model], stats["reloads"])
         yield reloads
         errors = CounterMetricFamily(
-            "tritonshare_proxy_auth_reload_errors", "Checks of the token file that could not stat or read it."
+            "tritonshare_proxy_auth_reload_errors",
+            "Checks of the token file that could not stat or read it.",
+            labels=["model"],
         )
-        errors.add_metric([], stats["reload_errors"])
+        errors.add_metric([model], stats["reload_errors"])
         yield errors
         refused = CounterMetricFamily(
             "tritonshare_proxy_auth_refused",
             "Requests refused for want of a valid token: missing (no Bearer token) or invalid (unknown token).",
-            labels=["reason"],
+            labels=["model", "reason"],
         )
-        refused.add_metric(["missing"], stats["missing"])
-        refused.add_metric(["invalid"], stats["invalid"])
+        refused.add_metric([model, "missing"], stats["missing"])
+        refused.add_metric([model, "invalid"], stats["invalid"])
         yield refused

@@ -65,8 +65,9 @@ class ProxyState:
         self.probes: dict[Verdict, TritonProbe] = {Verdict.READY: self.readiness, Verdict.LIVE: self.liveness}
         registry = self.metrics.registry
         self.admission = Admission(_limits(settings), model=settings.name, registry=registry)
-        self.auth = BearerTokens(settings.auth_token_file, registry=registry) if settings.auth_token_file else None
-        self.tls = TlsCertificates.from_options(settings.tls_cert, settings.tls_key, registry=registry)
+        token_file, model = settings.auth_token_file, settings.name
+        self.auth = BearerTokens(token_file, registry=registry, model=model) if token_file else None
+        self.tls = TlsCertificates.from_options(settings.tls_cert, settings.tls_key, registry=registry, model=model)
         self.draining = False
         # Triton's gRPC port did not take the last connection tried: said once per outage, not per client connection
         self.grpc_unreachable = False

@@ -106,7 +106,9 @@ class TlsCertificates:
         wall_clock: Callable[[], float] = time.time,
         check_interval_s: float = 1.0,
         registry: CollectorRegistry | None = None,
+        model: str = "",
     ) -> None:
+        """``registry``: where the certificate metrics are exported, labelled ``model`` (the proxy's own model)."""
         self.cert = cert
         self.key = key
         self._clock = clock
@@ -123,11 +125,11 @@ class TlsCertificates:
             logger.warning("TLS certificate %s %s; serving it all the same — renew the Secret", cert, problem)
         self._listening: dict[str, ssl.SSLContext] = {}
         if registry is not None:
-            registry.register(TlsCollector(self))
+            registry.register(TlsCollector(self, model))
 
     @classmethod
     def from_options(
-        cls, cert: Path | None, key: Path | None, *, registry: CollectorRegistry | None = None
+        cls, cert: Path | None, key: Path | None, *, registry: CollectorRegistry | None = None, model: str = ""
     ) -> TlsCertificates | None:
         """None when neither option is given (plain TCP); both or neither."""
         if cert is None and key is None:
@@ -135,7 +137,7 @@ class TlsCertificates:
         if cert is None or key is None:
             given, missing = ("--tls-cert", "--tls-key") if cert is not None else ("--tls-key", "--tls-cert")
             raise UsageError(f"{given} needs {missing} too: give both (a PEM certificate chain and its key) or neither")
-        return cls(cert, key, registry=registry)
+        return cls(cert, key, registry=registry, model=model)
 
     def server_context(self, protocol: str) -> ssl.SSLContext:
         """The context to listen with for a front end ("rest" or "grpc"); the same object for the server's
@@ -248,25 +250,33 @@ def _words(exc: OSError | ssl.SSLError) -> str:
 
 
 class TlsCollector(Collector):
-    """Reloads of the certificate, failed attempts and when the one in service expires, read at scrape time."""
+    """Reloads of the certificate, failed attempts and when the one in service expires, read at scrape time,
+    labelled with the proxy's model like its other families."""
 
-    def __init__(self, certificates: TlsCertificates) -> None:
+    def __init__(self, certificates: TlsCertificates, model: str) -> None:
         self._certificates = certificates
+        self._model = model
 
     def collect(self) -> Iterator[Metric]:
-        reloads = CounterMetricFamily("tritonshare_proxy_tls_reloads", "Certificate reloads after a file change.")
-        reloads.add_metric([], self._certificates.reloads)
+        model = self._model
+        reloads = CounterMetricFamily(
+            "tritonshare_proxy_tls_reloads", "Certificate reloads after a file change.", labels=["model"]
+        )
+        reloads.add_metric([model], self._certificates.reloads)
         yield reloads
         errors = CounterMetricFamily(
-            "tritonshare_proxy_tls_reload_errors", "Changed certificate files that did not load (previous kept)."
+            "tritonshare_proxy_tls_reload_errors",
+            "Changed certificate files that did not load (previous kept).",
+            labels=["model"],
         )
-        errors.add_metric([], self._certificates.reload_errors)
+        errors.add_metric([model], self._certificates.reload_errors)
         yield errors
         validity = self._certificates.validity
         if validity is not None:
             not_after = GaugeMetricFamily(
                 "tritonshare_proxy_tls_certificate_not_after_timestamp_seconds",
                 "When the certificate new connections get expires (Unix time): alert on it minus time().",
+                labels=["model"],
             )
-            not_after.add_metric([], validity.not_after)
+            not_after.add_metric([model], validity.not_after)
             yield not_after
