@@ -389,7 +389,11 @@ def test_metrics_are_exported_on_the_proxy_registry() -> None:
     assert value("refused_total", reason="queue_timeout") == 1
     assert value("throttled_total") >= 1  # type: ignore[operator]
     assert value("wait_seconds_count") == 1 and value("wait_seconds_sum") == pytest.approx(2.0, abs=0.01)
-    assert value("limit", limit="max_inflight") == 1 and value("limit", limit="rate_limit_burst") == 100
+    # One gauge per setting, named with its unit (a family mixing counts, seconds and rates had no unit to name)
+    assert value("max_inflight_requests") == 1 and value("max_queue_requests") == 1
+    assert value("queue_timeout_seconds") == 2
+    assert value("rate_limit_requests_per_second") == 100 and value("rate_limit_burst_requests") == 100
+    assert value("limit", limit="max_inflight") is None
 
 
 def test_refusals_are_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:

@@ -158,7 +158,9 @@ def test_max_inflight_holds_exactly_at_triton(
     assert 1 <= metric(samples, "tritonshare_proxy_admission_queued_total") <= 10
     assert metric(samples, "tritonshare_proxy_admission_inflight") == 0
     assert metric(samples, "tritonshare_proxy_admission_waiting") == 0
-    assert metric(samples, "tritonshare_proxy_admission_limit", limit="max_inflight") == 2
+    assert metric(samples, "tritonshare_proxy_admission_max_inflight_requests") == 2
+    assert metric(samples, "tritonshare_proxy_admission_queue_timeout_seconds") == 60
+    assert metric(samples, "tritonshare_proxy_admission_rate_limit_requests_per_second") == 0  # off
 
     model.log.unlink()
     uncapped = start_proxy(model.name, "--no-unload")

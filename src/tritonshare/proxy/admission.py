@@ -451,7 +451,7 @@ class AdmissionCollector(Collector):
         )
         wait.add_metric([adm.model], count_value=stats.waits, sum_value=stats.waited_s)
         yield wait
-        yield _limits(adm)
+        yield from _limits(adm)
 
 
 def _family(
@@ -462,19 +462,28 @@ def _family(
     return family
 
 
-def _limits(adm: Admission) -> Metric:
-    family = GaugeMetricFamily(
-        "tritonshare_proxy_admission_limit",
-        "Configured admission limits (0 = off).",
-        labels=["model", "limit"],
-    )
+def _limits(adm: Admission) -> Iterator[Metric]:
+    """The configured limits, one gauge each, named with its unit (0 = off; a queue setting is 0 without a cap,
+    a burst 0 without a rate)."""
     lim = adm.limits
-    for name, value in (
-        ("max_inflight", lim.max_inflight),
-        ("max_queue", lim.max_queue if lim.max_inflight else 0),
-        ("queue_timeout_s", lim.queue_timeout_s if lim.max_inflight else 0),
-        ("rate_limit_rps", lim.rate_limit_rps),
-        ("rate_limit_burst", lim.burst if lim.rate_limit_rps else 0),
+    capped, rated = bool(lim.max_inflight), bool(lim.rate_limit_rps)
+    for name, doc, value in (
+        ("max_inflight_requests", "Requests at Triton at once (--max-inflight; 0 = no cap).", lim.max_inflight),
+        ("max_queue_requests", "Requests waiting for a slot at most (--max-queue).", lim.max_queue if capped else 0),
+        (
+            "queue_timeout_seconds",
+            "Longest wait for a slot (--queue-timeout-s).",
+            lim.queue_timeout_s if capped else 0,
+        ),
+        (
+            "rate_limit_requests_per_second",
+            "Requests admitted per second, inference and metadata each (--rate-limit-rps; 0 = no rate limit).",
+            lim.rate_limit_rps,
+        ),
+        (
+            "rate_limit_burst_requests",
+            "Requests the rate limit admits at once (--rate-limit-burst).",
+            lim.burst if rated else 0,
+        ),
     ):
-        family.add_metric([adm.model, name], value)
-    return family
+        yield _family(GaugeMetricFamily, name, doc, adm, value)
