@@ -110,6 +110,40 @@ def test_upstream_errors_are_exported_at_zero_before_the_first() -> None:
     assert samples == {(name, "rest"): 0, (name, "grpc"): 0}
 
 
+def _refusals(proxy: ProxyProcess) -> dict[tuple[str, str, str], float]:
+    return {
+        (labels["protocol"], labels["route"], labels["reason"]): value
+        for name, labels, value in _samples(proxy)
+        if name == "tritonshare_proxy_refusals_total"
+    }
+
+
+def test_refusals_operators_alert_on_are_exported_at_zero_from_the_start(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels, tmp_path: Path
+) -> None:
+    """``increase(tritonshare_proxy_refusals_total{reason="unauthenticated"}[5m]) > 0`` must fire on a proxy's
+    first refusal: a series that appears at 1 has no increase, so every one an alert reads is there at 0."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret\n")
+    limits = ["--rate-limit-rps", "5", "--max-inflight", "2", "--auth-token-file", str(tokens)]
+    guarded = _refusals(start_proxy(served_models.own, "--no-unload", *limits))
+    inference = [("rest", "infer"), ("rest", "generate"), ("rest", "generate_stream"), ("grpc", "ModelInfer")]
+    for protocol, route in [*inference, ("grpc", "ModelStreamInfer")]:
+        for reason in ("unauthenticated", "rate_limited", "queue_full", "queue_timeout", "held_budget"):
+            assert guarded.get((protocol, route, reason)) == 0, (protocol, route, reason)
+    for protocol, route in (("rest", "model_config"), ("grpc", "ModelMetadata")):  # metadata: their own bucket
+        assert guarded[protocol, route, "rate_limited"] == 0
+    for protocol in ("rest", "grpc", "metrics"):
+        assert guarded[protocol, "connection", "too_many_connections"] == 0
+    assert guarded["rest", "infer", "draining"] == 0
+    assert set(guarded.values()) == {0}
+
+    # Without the options, none of their reasons: a series at 0 forever would say the check is on.
+    plain = _refusals(start_proxy(served_models.own, "--no-unload"))
+    assert {reason for _, _, reason in plain} == {"too_many_connections", "held_budget", "draining"}
+    assert plain["grpc", "ModelInfer", "held_budget"] == 0 and plain["rest", "connection", "too_many_connections"] == 0
+
+
 def test_refusals_are_counted_but_not_timed() -> None:
     from tritonshare.proxy.metrics import ProxyMetrics
 

@@ -64,15 +64,18 @@ logger = logging.getLogger(__name__)
 HTTP_STATUS = 429  # Too Many Requests, with Retry-After (RFC 6585 §4)
 GRPC_STATUS = 8  # RESOURCE_EXHAUSTED; also send grpc-retry-pushback-ms (the gRPC retry policy honours it)
 
-# Policy route labels (tritonshare.proxy.policy) that take a slot: the requests that make Triton compute.
-LIMITED_ROUTES = frozenset({"infer", "generate", "generate_stream", "ModelInfer", "ModelStreamInfer"})
+# Policy route labels (tritonshare.proxy.policy) that take a slot, by protocol: the requests that make Triton compute.
+LIMITED_BY_PROTOCOL: dict[str, frozenset[str]] = {
+    "rest": frozenset({"infer", "generate", "generate_stream"}),
+    "grpc": frozenset({"ModelInfer", "ModelStreamInfer"}),
+}
+LIMITED_ROUTES = frozenset().union(*LIMITED_BY_PROTOCOL.values())
 # Policy route labels of the other requests forwarded to Triton: they take a token of the metadata bucket.
-METADATA_ROUTES = frozenset(
-    {
-        *("server_metadata", "model_metadata", "model_ready", "model_config", "model_stats"),
-        *("ServerMetadata", "ModelMetadata", "ModelReady", "ModelConfig", "ModelStatistics"),
-    }
-)
+METADATA_BY_PROTOCOL: dict[str, frozenset[str]] = {
+    "rest": frozenset({"server_metadata", "model_metadata", "model_ready", "model_config", "model_stats"}),
+    "grpc": frozenset({"ServerMetadata", "ModelMetadata", "ModelReady", "ModelConfig", "ModelStatistics"}),
+}
+METADATA_ROUTES = frozenset().union(*METADATA_BY_PROTOCOL.values())
 
 LOG_INTERVAL_S = 10.0
 _SLACK_S = 0.001  # timers may fire up to one clock tick early (asyncio's clock resolution)

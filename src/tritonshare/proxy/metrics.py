@@ -13,7 +13,7 @@ key per request. The meters share their protocol's in-flight gauge and one :clas
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from time import perf_counter
 
 from prometheus_client import CollectorRegistry
@@ -151,6 +151,13 @@ class ProxyMetrics(Collector):
         :meth:`RouteMeter.count`)."""
         self.meter(protocol, route).count(code)
         self.refused(protocol, route, reason)
+
+    def expect_refusals(self, keys: Iterable[tuple[str, str, str]]) -> None:
+        """Refusals by (protocol, route, reason) this proxy can make, exported at 0 until the first: a series
+        that appears at 1 has no increase for ``rate()`` and ``increase()`` to see, so an alert on it misses the
+        first refusal (Prometheus: initialise the label sets you know of)."""
+        for key in keys:
+            self._refusals.setdefault(key, 0)
 
     def refused(self, protocol: str, route: str, reason: str) -> None:
         key = (protocol, route, reason)

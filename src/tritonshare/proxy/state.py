@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
-from tritonshare.proxy.admission import Admission, AdmissionLimits
+from tritonshare.proxy import held
+from tritonshare.proxy.admission import LIMITED_BY_PROTOCOL, METADATA_BY_PROTOCOL, Admission, AdmissionLimits
 from tritonshare.proxy.auth import BearerTokens
 from tritonshare.proxy.held import HeldBudget
 from tritonshare.proxy.metrics import ProxyMetrics
@@ -74,6 +76,7 @@ class ProxyState:
         self.held = 0  # REST requests whose body is held for its check: not in flight yet, but a drain waits
         self.held_budget = HeldBudget(settings.max_held_bytes)  # the bytes they hold
         self.metrics.count_held(lambda: self.held_budget.held)
+        self.metrics.expect_refusals(_alerted_refusals(settings))
         self._flight = self.metrics.flight  # in flight, every protocol: what a drain waits for
 
     @property
@@ -108,6 +111,28 @@ class ProxyState:
             if loop.time() >= deadline:
                 return False
             await asyncio.sleep(_IDLE_POLL_S)
+
+
+def _alerted_refusals(settings: ProxySettings) -> Iterator[tuple[str, str, str]]:
+    """The refusals an operator alerts on that this proxy can make, as (protocol, route, reason): connections
+    over the cap, and inference (plus metadata, when rate limited) refused for the options that are on."""
+    for protocol in ("rest", "grpc", *(("metrics",) if settings.metrics_port else ())):
+        yield protocol, "connection", "too_many_connections"
+    reasons = {
+        "unauthenticated": settings.auth_token_file is not None,
+        "rate_limited": settings.rate_limit_rps > 0,
+        "queue_full": settings.max_inflight > 0,
+        "queue_timeout": settings.max_inflight > 0 and settings.max_queue > 0,
+        held.REASON: settings.max_held_bytes > 0,
+    }
+    on = [reason for reason, given in reasons.items() if given]
+    for protocol, routes in LIMITED_BY_PROTOCOL.items():
+        for route in sorted(routes):
+            yield from ((protocol, route, reason) for reason in on)
+            if protocol == "rest":  # gRPC's calls after a drain's GOAWAY are reset (REFUSED_STREAM), not counted
+                yield protocol, route, "draining"
+        if settings.rate_limit_rps > 0:
+            yield from ((protocol, route, "rate_limited") for route in sorted(METADATA_BY_PROTOCOL[protocol]))
 
 
 def _limits(settings: ProxySettings) -> AdmissionLimits:
