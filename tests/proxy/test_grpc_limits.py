@@ -10,6 +10,7 @@ import gzip
 import time
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -124,6 +125,31 @@ def test_a_header_block_in_its_most_continuation_frames_is_forwarded() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- streams
+
+
+def test_a_stream_opened_after_the_drains_goaway_is_refused_first_and_counted_as_draining(tmp_path: Path) -> None:
+    """REFUSED_STREAM says it was not processed, so the client may retry it on another replica: before the token
+    check (UNAUTHENTICATED is not retried) and counted, as REST counts its 503 after a drain."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret\n")
+    client = Client()
+
+    def drain_then_open(connection: ClientConnection, _: UpstreamConnection) -> None:
+        connection.begin_drain()
+        connection.data_received(client.headers(3, "ModelInfer") + data(3, message("own")))
+
+    talk = START + client.headers(1, "ModelInfer", ("authorization", "Bearer secret"))
+    to_triton, to_client, state = asyncio.run(relay([talk], drain_then_open, auth_token_file=tokens))
+    assert goaway_code(to_client) == http2.NO_ERROR
+    assert sorted(client_streams(to_triton)) == [1]  # stream 1 came before the GOAWAY and goes on
+    assert resets(to_client) == {3: http2.REFUSED_STREAM}
+    refusals = {
+        sample.labels["reason"]: sample.value
+        for family in state.metrics.registry.collect()
+        for sample in family.samples
+        if sample.name == "tritonshare_proxy_refusals_total" and sample.labels["route"] == "ModelInfer"
+    }
+    assert refusals["draining"] == 1 and refusals["unauthenticated"] == 0
 
 
 def test_the_client_is_told_the_cap_on_streams_and_one_past_it_is_refused() -> None:

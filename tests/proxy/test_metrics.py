@@ -135,7 +135,7 @@ def test_refusals_operators_alert_on_are_exported_at_zero_from_the_start(
         assert guarded[protocol, route, "rate_limited"] == 0
     for protocol in ("rest", "grpc", "metrics"):
         assert guarded[protocol, "connection", "too_many_connections"] == 0
-    assert guarded["rest", "infer", "draining"] == 0
+    assert guarded["rest", "infer", "draining"] == 0 and guarded["grpc", "ModelStreamInfer", "draining"] == 0
     assert set(guarded.values()) == {0}
 
     # Without the options, none of their reasons: a series at 0 forever would say the check is on.

@@ -3,7 +3,8 @@
 The policy table (:mod:`tritonshare.proxy.policy`) judges the stream's ``:path``; before its verdict is acted
 on, a block that is malformed, one with ``authorization`` more than once (INVALID_ARGUMENT, as REST answers
 400: the token checked must be the only one, whichever a later reader takes), a caller without a valid bearer
-token (when tokens are on; the probes stay open), an unreachable Triton and a drain each have their answer.
+token (when tokens are on; the probes stay open) and an unreachable Triton each have their answer, and a drain
+one before them (only a malformed block is judged first).
 READY and LIVE are answered with the own model's readiness and Triton's liveness as the proxy keeps them, and
 DENY refused, here; what is left goes to Triton (the relay forwards it), unless the client already has
 ``grpc_max_streams`` streams open there (REFUSED_STREAM, which clients retry).
@@ -89,15 +90,18 @@ class NewStreams:
             self._streams.answer_locally(stream_id)
             self._to_client(http2.rst_stream(stream_id, http2.PROTOCOL_ERROR))
             self._state.refuse(PROTOCOL, "unknown", "protocol_error", "malformed")
+        elif goaway_last is not None and stream_id > goaway_last:
+            # After the drain's GOAWAY: refused before any other check (REFUSED_STREAM: not processed, so the
+            # client may retry it on another replica, as grpcio does by itself), and counted as REST counts it.
+            self._streams.answer_locally(stream_id)
+            self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
+            self._state.refuse(PROTOCOL, route, "unavailable", "draining")
         elif block.repeated_authorization:  # the token checked here and the one a later reader takes might differ
             self._answers.refuse_new(stream_id, route, GRPC_INVALID_ARGUMENT, REPEATED_AUTHORIZATION, "bad_request")
         elif self._auth is not None and not self._authenticated(rule, block):
             self._answers.refuse_new(stream_id, route, GRPC_UNAUTHENTICATED, AUTH_MESSAGE, "unauthenticated")
         elif unavailable is not None:
             self._answers.refuse_new(stream_id, route, GRPC_UNAVAILABLE, unavailable.message, unavailable.reason)
-        elif goaway_last is not None and stream_id > goaway_last:
-            self._streams.answer_locally(stream_id)  # after GOAWAY: refused, the client may retry elsewhere
-            self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
         elif rule is None:
             shown = clip_path((block.path or b"").decode("utf-8", errors="replace"))
             self._answers.refuse_new(

@@ -128,9 +128,7 @@ def _alerted_refusals(settings: ProxySettings) -> Iterator[tuple[str, str, str]]
     on = [reason for reason, given in reasons.items() if given]
     for protocol, routes in LIMITED_BY_PROTOCOL.items():
         for route in sorted(routes):
-            yield from ((protocol, route, reason) for reason in on)
-            if protocol == "rest":  # gRPC's calls after a drain's GOAWAY are reset (REFUSED_STREAM), not counted
-                yield protocol, route, "draining"
+            yield from ((protocol, route, reason) for reason in (*on, "draining"))
         if settings.rate_limit_rps > 0:
             yield from ((protocol, route, "rate_limited") for route in sorted(METADATA_BY_PROTOCOL[protocol]))
 
