@@ -46,6 +46,12 @@ def proxy_codes(page: str) -> dict[tuple[str, str], int]:
     return codes
 
 
+def turn_codes(before: str, after: str) -> dict[tuple[str, str], int]:
+    """(protocol, code) → the proxy's answers between two of its pages (codes that did not move left out)."""
+    was, now = proxy_codes(before), proxy_codes(after)
+    return {key: n - was.get(key, 0) for key, n in now.items() if n != was.get(key, 0)}
+
+
 def triton_failures(page: str) -> int:
     """Triton's failed inferences, summed over models, versions and reasons."""
     return sum(int(value) for _, value in samples(page, "nv_inference_request_failure"))
@@ -58,8 +64,7 @@ def answers_line(label: str, cut_limit: int, triton: tuple[str, str], proxy: tup
     fields = f"triton_failed={triton_failures(triton[1]) - triton_failures(triton[0])}"
     if proxy is None:
         return f"{label} answers {fields}"
-    before, after = proxy_codes(proxy[0]), proxy_codes(proxy[1])
-    turn = {key: n - before.get(key, 0) for key, n in after.items() if n != before.get(key, 0)}
+    turn = turn_codes(*proxy)
     ok = sum(n for key, n in turn.items() if key in SUCCESS)
     cut = sum(n for key, n in turn.items() if key in CUT)
     other = {key: n for key, n in turn.items() if key not in SUCCESS | CUT}

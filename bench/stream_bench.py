@@ -101,6 +101,7 @@ class Load:
     model: str
     body: bytes  # one serialised ModelInferRequest
     depth: int  # requests in flight per stream
+    metadata: tuple[tuple[str, str], ...] = ()  # more request headers, e.g. ("authorization", "Bearer …")
 
     @property
     def target(self) -> str:
@@ -175,6 +176,7 @@ class H2Stream(asyncio.Protocol):
             (":authority", self._load.target),
             ("content-type", "application/grpc"),
             ("te", "trailers"),
+            *self._load.metadata,
         ]
         self._transport.write(_frame(_HEADERS, _END_HEADERS, self._stream_id, self._encoder.encode(headers)))
         body = self._load.body
