@@ -10,10 +10,12 @@ import datetime
 import logging
 import os
 import shutil
+import socket
 import ssl
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import uvloop
@@ -23,7 +25,8 @@ from prometheus_client import CollectorRegistry
 
 from tests.support.certs import CertificateAuthority, write_atomically
 from tritonshare.common.errors import UsageError
-from tritonshare.proxy.tls import TlsCertificates
+from tritonshare.proxy.plaintext import looks_like_http1
+from tritonshare.proxy.tls import Handshakes, TlsCertificates
 
 MODEL = {"model": "m"}  # the label every proxy family carries (a node-wide Prometheus tells tenants apart)
 
@@ -374,3 +377,115 @@ def test_an_expired_certificate_at_start_is_served_with_a_warning_and_its_expiry
     ]
     exported = registry.get_sample_value("tritonshare_proxy_tls_certificate_not_after_timestamp_seconds", MODEL)
     assert exported == x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc.timestamp()
+
+
+class Told(asyncio.Protocol):
+    """What a front end answers a plain-text client with: ``answer``, then the connection is closed."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        writer = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        writer.write(self.answer)
+        writer.close()
+
+
+class LineEcho(asyncio.Protocol):
+    """The front end's protocol once the handshake is done: echoes what it reads."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(data)
+
+
+@contextlib.asynccontextmanager
+async def sniffing_server(context: ssl.SSLContext, seen: list[bytes]) -> AsyncIterator[tuple[int, Handshakes]]:
+    """A server putting connections behind TLS as the front ends do, whose plain-text answer takes what
+    starts like HTTP/1.x (and records every first read that was not TLS)."""
+
+    def plain_text(first: bytes) -> asyncio.Protocol | None:
+        seen.append(first)
+        return Told(b"speak TLS\n") if looks_like_http1(first) else None
+
+    handshakes = Handshakes(context, plain_text=plain_text)
+    server = await asyncio.get_running_loop().create_server(lambda: handshakes.behind_tls(LineEcho()), "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], handshakes
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def _split_hello_echo(port: int, client: ssl.SSLContext, text: bytes) -> tuple[str | None, bytes]:
+    """A TLS client whose ClientHello arrives in two reads (its first byte alone): (ALPN, the echo of ``text``)."""
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = client.wrap_bio(incoming, outgoing, server_hostname="localhost")
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        with contextlib.suppress(ssl.SSLWantReadError):
+            tls.do_handshake()
+        hello = outgoing.read()
+        sock.sendall(hello[:1])
+        time.sleep(0.1)  # two reads at the server
+        sock.sendall(hello[1:])
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                sock.sendall(outgoing.read())
+                incoming.write(sock.recv(65536))
+        tls.write(text)
+        sock.sendall(outgoing.read())
+        echoed = b""
+        while len(echoed) < len(text):
+            incoming.write(sock.recv(65536))
+            with contextlib.suppress(ssl.SSLWantReadError):
+                echoed += tls.read()
+        return tls.selected_alpn_protocol(), echoed
+
+
+def _plain(port: int, sent: bytes) -> bytes:
+    """What a plain-text client sending ``sent`` reads until the connection ends."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(sent)
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                answer += chunk
+        return answer
+
+
+async def _none_under_way(handshakes: Handshakes) -> int:
+    for _ in range(100):
+        if not handshakes.under_way:
+            break
+        await asyncio.sleep(0.01)
+    return handshakes.under_way
+
+
+def test_a_plain_text_client_is_answered_by_the_front_end_and_tls_clients_go_on_as_before(
+    run: Callable[[Coroutine[Any, Any, None]], None], pair: tuple[Path, Path], client: ssl.SSLContext, clock: Clock
+) -> None:
+    """The first read decides: 0x16 goes to TLS (a ClientHello split after its first byte too), plain HTTP is
+    the front end's to answer, other bytes end in TLS's failed handshake as before; none stays counted under way."""
+    certificates = TlsCertificates(*pair, clock=clock)
+    seen: list[bytes] = []
+
+    async def scenario() -> None:
+        async with sniffing_server(certificates.server_context("rest"), seen) as (port, handshakes):
+            conn = await connect(port, client)
+            assert (conn.serial, conn.alpn) == (1001, "http/1.1")
+            assert await conn.echo(b"ping") == b"ping"
+            await conn.close()
+            split = await asyncio.to_thread(_split_hello_echo, port, client, b"split hello\n")
+            assert split == ("http/1.1", b"split hello\n")
+            answer = await asyncio.to_thread(_plain, port, b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert answer == b"speak TLS\n"
+            assert await asyncio.to_thread(_plain, port, b"\x00\x01 not tls, not http\r\n") == b""
+            assert await _none_under_way(handshakes) == 0
+
+    run(scenario())
+    assert seen == [b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00\x01 not tls, not http\r\n"]

@@ -25,6 +25,11 @@ plain TCP and put each connection behind the TLS protocol asyncio's ``create_ser
 (uvloop's own under uvloop), built here so the front end learns when its handshake ends, either way. With
 ``ssl=`` the connection's protocol hears nothing of a handshake that fails, so handshakes under way could not
 be counted, and a flood of them held open files beyond the cap.
+
+A client speaking plain text to a TLS port is told so (:mod:`tritonshare.proxy.plaintext`): with ``plain_text``
+given, a connection's first bytes are looked at before TLS sees them (:class:`FirstBytes`, once per connection;
+after them the connection reads straight into the TLS protocol, as without it). The TLS protocol is made at accept
+all the same, so its handshake timeout bounds the wait for those bytes.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import ssl
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -57,14 +63,20 @@ ALPN: dict[str, tuple[str, ...]] = {"rest": ("http/1.1",), "grpc": ("h2",)}
 CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
 
 _FileIdentity = tuple[int, int, int, int, int]
+_HANDSHAKE_RECORD = 0x16  # the first byte of a TLS handshake record (a ClientHello), however it is split
+# A front end's answer to a connection whose first bytes are not TLS: the protocol that takes the connection
+# (connection_made, then those bytes, are given to it), or None to leave it to TLS (which closes it).
+PlainText = Callable[[bytes], asyncio.Protocol | None]
 
 
 class Handshakes:
     """TLS on one port: each accepted connection is put behind TLS, and counted from then until its
     handshake ends — done (the connection is the front end's from then on), failed, timed out or cut."""
 
-    def __init__(self, context: ssl.SSLContext) -> None:
+    def __init__(self, context: ssl.SSLContext, *, plain_text: PlainText | None = None) -> None:
+        """``plain_text``: shown a connection's first bytes when they are not TLS (:class:`FirstBytes`)."""
         self.context = context
+        self.plain_text = plain_text
         self.under_way = 0
 
     def behind_tls(self, app: asyncio.Protocol) -> asyncio.BaseProtocol:
@@ -72,9 +84,10 @@ class Handshakes:
         waiter = loop.create_future()
         waiter.add_done_callback(self._ended)
         self.under_way += 1
-        return _ssl_protocol(loop)(
+        tls: asyncio.BufferedProtocol = _ssl_protocol(loop)(
             loop, app, self.context, waiter, server_side=True, ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S
         )
+        return tls if self.plain_text is None else FirstBytes(tls, self.plain_text)
 
     def _ended(self, waiter: asyncio.Future[None]) -> None:
         self.under_way -= 1
@@ -82,7 +95,60 @@ class Handshakes:
             waiter.exception()  # retrieved: a failed handshake is the client's affair, logged by the protocol
 
 
-def _ssl_protocol(loop: asyncio.AbstractEventLoop) -> Callable[..., asyncio.BaseProtocol]:
+class FirstBytes(asyncio.Protocol):
+    """A connection until its first bytes arrive: the TLS protocol starts its handshake (and timeout) at once;
+    the first bytes, when TLS, are handed to it and the transport reads into it from then on; otherwise the
+    front end's ``plain_text`` may take the connection over, which ends the TLS protocol's part (and its place
+    among the handshakes under way)."""
+
+    def __init__(self, tls: asyncio.BufferedProtocol, plain_text: PlainText) -> None:
+        self._tls = tls
+        self._plain_text = plain_text
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass it
+        self._tls.connection_made(transport)  # server side: writes nothing before the client's hello
+
+    def data_received(self, data: bytes) -> None:
+        transport = self._transport
+        assert transport is not None
+        taker = None if data[0] == _HANDSHAKE_RECORD else self._plain_text(data)
+        if taker is None:
+            transport.set_protocol(self._tls)
+            _feed(self._tls, data, transport)
+            return
+        self._tls.connection_lost(ConnectionAbortedError("plain text on a TLS port"))  # writes nothing either
+        transport.set_protocol(taker)
+        taker.connection_made(transport)
+        if not transport.is_closing():
+            taker.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._tls.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._tls.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._tls.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._tls.resume_writing()
+
+
+def _feed(protocol: asyncio.BufferedProtocol, data: bytes, transport: asyncio.Transport) -> None:
+    """Give ``data`` to a buffered protocol as its transport would (get_buffer, copy, buffer_updated)."""
+    view = memoryview(data)
+    while view and not transport.is_closing():
+        buffer = memoryview(protocol.get_buffer(len(view)))
+        size = min(len(buffer), len(view))
+        buffer[:size] = view[:size]
+        protocol.buffer_updated(size)
+        view = view[size:]
+
+
+def _ssl_protocol(loop: asyncio.AbstractEventLoop) -> Callable[..., asyncio.BufferedProtocol]:
     """The protocol ``loop.create_server(ssl=…)`` itself uses: uvloop's under uvloop, asyncio's otherwise."""
     try:
         import uvloop.loop
