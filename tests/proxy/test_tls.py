@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import json
 import logging
 import os
 import shutil
 import socket
 import ssl
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -23,7 +25,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from prometheus_client import CollectorRegistry
 
+from tests.proxy.conftest import ServedModels
+from tests.proxy.test_metrics import _samples
 from tests.support.certs import CertificateAuthority, write_atomically
+from tests.support.proxy import ProxyProcess
 from tritonshare.common.errors import UsageError
 from tritonshare.proxy.plaintext import looks_like_http1
 from tritonshare.proxy.tls import Handshakes, TlsCertificates
@@ -489,3 +494,53 @@ def test_a_plain_text_client_is_answered_by_the_front_end_and_tls_clients_go_on_
 
     run(scenario())
     assert seen == [b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00\x01 not tls, not http\r\n"]
+
+
+# ---------------------------------------------------------------------------------------- the real proxy
+
+LIVE = "/inference.GRPCInferenceService/ServerLive"
+
+
+@pytest.fixture
+def tls_proxy(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels, ca: CertificateAuthority, tmp_path: Path
+) -> ProxyProcess:
+    folder = tmp_path / "tls"
+    folder.mkdir()
+    cert, key = ca.write_pair(folder, serial=8001)
+    return start_proxy(served_models.own, "--no-unload", "--tls-cert", str(cert), "--tls-key", str(key))
+
+
+def _plain_text_refusals(proxy: ProxyProcess) -> dict[tuple[str, str], float]:
+    return {
+        (labels["protocol"], labels["route"]): value
+        for name, labels, value in _samples(proxy)
+        if name == "tritonshare_proxy_refusals_total" and labels["reason"] == "plain_http_on_tls"
+    }
+
+
+@pytest.mark.triton
+def test_plain_http_to_the_proxys_tls_port_gets_400_saying_to_use_https(
+    tls_proxy: ProxyProcess, served_models: ServedModels, ca_file: Path
+) -> None:
+    """What curl shows for http:// on the TLS port (it showed "Empty reply from server"), counted; https goes on."""
+    plain = subprocess.run(
+        ["curl", "-sS", "-i", f"http://{tls_proxy.url}/v2/models/{served_models.own}/ready"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    head, _, body = plain.stdout.partition("\n\n")  # text=True: CRLF read as LF
+    assert head.startswith("HTTP/1.1 400 Bad Request\n") and "Connection: close" in head.split("\n"), plain
+    assert json.loads(body) == {"error": "this port speaks TLS: use https:// (the request was sent in plain HTTP)"}
+    secure = subprocess.run(
+        ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--cacert", str(ca_file)]
+        + [f"https://{tls_proxy.url}/v2/models/{served_models.own}/ready"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert secure.stdout == "200", secure
+    assert _plain_text_refusals(tls_proxy) == {("rest", "connection"): 1}

@@ -6,7 +6,8 @@ the canonical path and the client's end-to-end headers, so Triton parses exactly
 are held only until their JSON part is checked (:mod:`tritonshare.proxy.inspect`); the rest of a body, and the
 whole response, pass through as bytes, as they arrive (server-sent events of ``generate_stream`` included).
 
-The pieces: :class:`RestFrontend` here listens (with TLS when configured, ALPN http/1.1), keeps the memo of
+The pieces: :class:`RestFrontend` here listens (with TLS when configured, ALPN http/1.1; a plain HTTP request on
+the TLS port gets 400 saying to use https://, :mod:`tritonshare.proxy.plaintext`), keeps the memo of
 judged heads and the timeout sweep; each client connection is a
 :class:`~tritonshare.proxy.rest_connection.ClientConnection` (the short path, flow control, timeouts; the general
 path of requests, with authentication, admission control and answers, in :mod:`tritonshare.proxy.rest_requests`),
@@ -32,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from tritonshare.common.errors import cannot_listen
-from tritonshare.proxy import admission, auth
+from tritonshare.proxy import admission, auth, plaintext
 from tritonshare.proxy.http1 import RequestHead, error_response, parse_request_head, upstream_head
 from tritonshare.proxy.inspect import body_too_large
 from tritonshare.proxy.metrics import RouteMeter
@@ -200,7 +201,7 @@ class RestFrontend:
         loop = asyncio.get_running_loop()
         settings = self.state.settings
         if self.state.tls is not None:  # TLS is put on in _accept, where its handshakes are counted
-            self.handshakes = Handshakes(self.state.tls.server_context(PROTOCOL))
+            self.handshakes = Handshakes(self.state.tls.server_context(PROTOCOL), plain_text=self._plain_text)
         try:
             self._server = await loop.create_server(
                 self._accept, settings.host, settings.http_port, backlog=1024, reuse_address=True
@@ -225,6 +226,14 @@ class RestFrontend:
             return Closed()
         message = over_cap_message(self.state.own, cap)
         return TurnedAway(error_response(503, message, close=True, headers=b"Retry-After: 1\r\n"))
+
+    def _plain_text(self, first: bytes) -> asyncio.Protocol | None:
+        """A connection to the TLS port whose first bytes are not TLS: a plain HTTP request gets 400 saying so
+        (:mod:`tritonshare.proxy.plaintext`); other bytes are left to TLS, which closes the connection."""
+        if not plaintext.looks_like_http1(first):
+            return None
+        self.state.metrics.refused(PROTOCOL, "connection", plaintext.REASON)
+        return TurnedAway(plaintext.REST_ANSWER)
 
     def begin_drain(self) -> None:
         for connection in list(self.connections):
