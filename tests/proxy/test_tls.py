@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, cast
 
+import grpc
 import pytest
 import uvloop
 from cryptography import x509
@@ -544,3 +545,23 @@ def test_plain_http_to_the_proxys_tls_port_gets_400_saying_to_use_https(
     )
     assert secure.stdout == "200", secure
     assert _plain_text_refusals(tls_proxy) == {("rest", "connection"): 1}
+
+
+@pytest.mark.triton
+def test_an_insecure_grpc_channel_to_the_proxys_tls_port_is_told_to_use_a_secure_one(
+    tls_proxy: ProxyProcess, ca_file: Path
+) -> None:
+    """What a grpcio user sees: UNAVAILABLE with the hint, at once (it was a bare UNAVAILABLE). A GOAWAY carrying the
+    hint as debug data, before any stream, was tried with grpcio 1.85: it reconnected in a loop without showing it,
+    and the call ended "Deadline Exceeded"; so each stream is answered, as for a connection past the cap."""
+    started = time.monotonic()
+    with grpc.insecure_channel(tls_proxy.grpc_url) as channel, pytest.raises(grpc.RpcError) as info:
+        channel.unary_unary(LIVE)(b"", timeout=10)
+    error = cast(grpc.Call, info.value)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert error.details() == "this port speaks TLS: use a secure channel (grpc.secure_channel), not an insecure one"
+    assert time.monotonic() - started < 5
+    credentials = grpc.ssl_channel_credentials(ca_file.read_bytes())
+    with grpc.secure_channel(f"localhost:{tls_proxy.grpc_port}", credentials) as channel:
+        assert channel.unary_unary(LIVE)(b"", timeout=10) == b"\x08\x01"  # live: true
+    assert _plain_text_refusals(tls_proxy) == {("grpc", "ServerLive"): 1}

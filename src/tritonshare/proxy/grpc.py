@@ -49,7 +49,8 @@ Access and fairness (issue 9; each off unless its option is given):
   ``grpc-retry-pushback-ms``, and the stream is reset at Triton.
 - ``--tls-cert`` / ``--tls-key``: the listening socket speaks TLS (ALPN ``h2``), the certificate reloaded
   on change for new connections (:mod:`tritonshare.proxy.tls`); Triton is reached in plain text, on the
-  node.
+  node. A client speaking HTTP/2 in plain text to it (an insecure channel) has each call answered UNAVAILABLE
+  saying to use a secure channel (:mod:`tritonshare.proxy.plaintext`).
 
 Limits per client connection (what one tenant may cost the proxy and the shared Triton): a frame longer than
 Triton's SETTINGS_MAX_FRAME_SIZE (16 KiB until Triton's SETTINGS pass) is refused at its header with GOAWAY
@@ -75,6 +76,7 @@ import asyncio
 from collections.abc import Callable
 
 from tritonshare.common.errors import cannot_listen
+from tritonshare.proxy import plaintext
 from tritonshare.proxy.grpc_connection import ClientConnection
 from tritonshare.proxy.grpc_opening import OpenUpstream
 from tritonshare.proxy.grpc_streams import PROTOCOL
@@ -83,6 +85,8 @@ from tritonshare.proxy.grpc_verdicts import Unavailable
 from tritonshare.proxy.overload import Closed, has_room, over_cap_message
 from tritonshare.proxy.state import ProxyState
 from tritonshare.proxy.tls import Handshakes
+
+_PLAIN_TEXT = Unavailable(plaintext.GRPC_HINT, plaintext.REASON)
 
 
 class GrpcFrontend:
@@ -112,7 +116,7 @@ class GrpcFrontend:
         loop = asyncio.get_running_loop()
         settings = self._state.settings
         if self._state.tls is not None:  # ALPN h2; put on in _accept, where its handshakes are counted
-            self.handshakes = Handshakes(self._state.tls.server_context(PROTOCOL))
+            self.handshakes = Handshakes(self._state.tls.server_context(PROTOCOL), plain_text=self._plain_text)
         try:
             self._server = await loop.create_server(self._accept, settings.host, settings.grpc_port, reuse_address=True)
         except OSError as exc:
@@ -135,6 +139,15 @@ class GrpcFrontend:
             return Closed()
         why = Unavailable(over_cap_message(self._state.own, cap), "too_many_connections")
         return ClientConnection(self, self._state, turned_away=why)
+
+    def _plain_text(self, first: bytes) -> asyncio.Protocol | None:
+        """A connection to the TLS port whose first bytes are not TLS: HTTP/2 in plain text (an insecure channel)
+        is answered as a connection turned away, each stream UNAVAILABLE saying why (a GOAWAY at once, before
+        any stream, would show grpcio users "Deadline Exceeded" after it reconnected in a loop); other bytes are
+        left to TLS, which closes the connection (:mod:`tritonshare.proxy.plaintext`)."""
+        if not plaintext.looks_like_h2c(first):
+            return None
+        return ClientConnection(self, self._state, turned_away=_PLAIN_TEXT)
 
     def begin_drain(self) -> None:
         self.draining = True
