@@ -348,6 +348,32 @@ def test_a_header_block_in_several_frames_is_judged_whole_and_forwarded() -> Non
     assert stream.headers["x-meta"] == "m" * 3000 and bytes(stream.data) == message("own")
 
 
+@pytest.mark.parametrize("meta", [40, 20_000])  # re-encoded in one HEADERS frame, or with a CONTINUATION
+def test_re_encoded_blocks_reach_triton_whole_call_after_call_without_the_stripped_headers(meta: int) -> None:
+    client = Client()
+    metas = {1: "m" * meta, 3: "m" * meta, 5: "n" * meta}  # a block repeated, then another
+    talk = b"".join(
+        client.headers(i, "ModelInfer", ("x-admin-key", "secret"), ("x-meta", value)) + data(i, message("own"))
+        for i, value in metas.items()
+    )
+    to_triton, _, _ = asyncio.run(relay([http2.PREFACE + http2.settings() + talk], strip_headers=("X-Admin-Key",)))
+    streams = client_streams(to_triton)
+    assert sorted(streams) == [1, 3, 5]
+    for sid, stream in streams.items():
+        assert "x-admin-key" not in stream.headers and stream.headers["x-meta"] == metas[sid]
+        assert stream.headers[":path"] == f"/{GRPC_SERVICE}/ModelInfer" and bytes(stream.data) == message("own")
+    sent = [(kind, flags, sid) for kind, flags, sid, _ in frames(to_triton[len(http2.PREFACE) :]) if sid]
+    heads = [frame for frame in sent if frame[0] in (http2.HEADERS, http2.CONTINUATION)]
+    if meta < 16_000:
+        assert heads == [(http2.HEADERS, http2.END_HEADERS, sid) for sid in (1, 3, 5)]
+    else:
+        assert heads == [
+            (kind, f, sid)
+            for sid in (1, 3, 5)
+            for kind, f in ((http2.HEADERS, 0), (http2.CONTINUATION, http2.END_HEADERS))
+        ]
+
+
 def goaway_code(to_client: bytes) -> int | None:
     codes = [int.from_bytes(p[4:8], "big") for kind, _, _, p in frames(to_client) if kind == http2.GOAWAY]
     return codes[-1] if codes else None

@@ -120,6 +120,39 @@ def test_stripped_headers_never_reach_triton(
         assert stream.headers["x-request-tag"] == "kept"
 
 
+def test_the_bearer_token_is_checked_and_never_reaches_triton(
+    start_proxy: StartProxy,
+    triton: TritonServer,
+    served_models: ServedModels,
+    tmp_path: Path,
+    pipes: list[TcpPipe],
+) -> None:
+    """The tenant's token is for the proxy, not for the Triton every tenant shares (REST strips it too); the
+    client's repeated header blocks, re-encoded, keep working call after call."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("token-one\n")
+    proxy, _, pipe = behind_pipe(
+        start_proxy, triton, served_models.own, tmp_path, "--auth-token-file", str(tokens), record=True
+    )
+    assert pipe is not None
+    pipes.append(pipe)
+    data = np.arange(4, dtype=np.float32)
+    with grpcclient.InferenceServerClient(proxy.grpc_url) as client:
+        for _ in range(3):
+            result = client.infer(
+                served_models.own,
+                [identity_input(data)],
+                headers={"authorization": "Bearer token-one", "x-request-tag": "kept"},
+            )
+            assert np.array_equal(result.as_numpy("OUTPUT0"), data)
+    time.sleep(0.2)
+    streams = [s for sent in pipe.sent for s in client_streams(bytes(sent)).values() if s.headers]
+    assert len(streams) == 3
+    for stream in streams:
+        assert "authorization" not in stream.headers
+        assert stream.headers["x-request-tag"] == "kept"
+
+
 def test_triton_down_answers_unavailable_quickly_and_recovers(
     start_proxy: StartProxy,
     triton: TritonServer,

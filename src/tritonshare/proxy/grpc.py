@@ -43,7 +43,8 @@ Access and fairness (issue 9; each off unless its option is given):
 - ``--auth-token-file``: a new stream's ``authorization`` metadata must carry a valid bearer token, checked
   after its ``:path`` is judged and before the verdict is acted on (so a caller without one learns nothing
   about methods: UNAUTHENTICATED); the probes (ServerLive, ServerReady, Health/Check) stay open. The header
-  is passed on as it came: removing it would force re-encode mode, and Triton ignores it.
+  is not passed on (the tenant's token is for the proxy, not for the Triton all tenants share), so header
+  blocks are re-encoded (the last one's encoding kept: a client repeats its blocks).
 - ``--max-inflight`` / ``--rate-limit-rps``: each inference stream takes an admission slot or waits for one
   without Triton starting it (:mod:`tritonshare.proxy.grpc_admission`); refused: RESOURCE_EXHAUSTED with
   ``grpc-retry-pushback-ms``, and the stream is reset at Triton.

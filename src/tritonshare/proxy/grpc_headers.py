@@ -31,6 +31,10 @@ from tritonshare.proxy.state import ProxyState
 # Frame constants read for every HEADERS frame, as module globals (an attribute lookup each is measurable).
 _HEADER_SIZE = http2.HEADER_SIZE
 _BARE_MASK = http2.END_HEADERS | http2.PADDED | http2.PRIORITY_FLAG  # equal to END_HEADERS: a plain HEADERS
+_HEADERS = bytes((http2.HEADERS,))
+_MAX_FRAGMENT = http2.DEFAULT_MAX_FRAME_SIZE  # a re-encoded block in one HEADERS frame: what every peer accepts
+# A re-encoded HEADERS frame's flags byte, by the END_STREAM flag of the frame it stands for.
+_END_HEADERS_FLAGS = {0: bytes((http2.END_HEADERS,)), http2.END_STREAM: bytes((http2.END_HEADERS | http2.END_STREAM,))}
 # CONTINUATION frames one header block may take: a block within max_header_bytes needs 4 at the 16 KiB frames
 # every peer accepts; more, empty ones above all, are a flood (CVE-2024-27316's class).
 MAX_CONTINUATIONS = 32
@@ -80,8 +84,14 @@ class ClientHeaders:
             MessageWalker(inspect=True, limit=self._limit),
         )
         self._judges: dict[str, MessageJudge] = {}  # by route
-        self._strip = frozenset(name.lower().encode() for name in state.settings.strip_headers)
+        strip = {name.lower().encode() for name in state.settings.strip_headers}
+        if state.auth is not None:
+            strip.add(b"authorization")  # the tenant's token is for the proxy, not for Triton (as REST strips it)
+        self._strip = frozenset(strip)
         self._reencode = bool(self._strip)  # forward re-encoded header blocks instead of the client's bytes
+        # The last block re-encoded (a client repeats it): the block, its fragment, and when it fits one HEADERS
+        # frame that frame's length and type.
+        self._plain: tuple[HeaderBlock, bytes, bytes | None] | None = None
         self._decoder = HeaderDecoder()
         self._known = self._decoder.known  # header blocks known by their bytes: a hit saves the decode call
         self._block: list[bytes] = []  # HEADERS + CONTINUATION frames of a header block in progress
@@ -185,8 +195,16 @@ class ClientHeaders:
 
     def _plain_frames(self, stream_id: int, flags: int, block: HeaderBlock) -> bytes:
         """The block re-encoded without the dynamic table (and without stripped headers)."""
-        headers = [h for h in block.headers if h[0] not in self._strip]
-        return http2.header_frames(stream_id, encode_plain(headers), end_stream=bool(flags & http2.END_STREAM))
+        plain = self._plain
+        if plain is None or plain[0] is not block:
+            fragment = encode_plain([h for h in block.headers if h[0] not in self._strip])
+            # One HEADERS frame (the common case): its length and type, to which the flags and stream id go.
+            single = len(fragment).to_bytes(3, "big") + _HEADERS if len(fragment) <= _MAX_FRAGMENT else None
+            plain = self._plain = (block, fragment, single)
+        _, fragment, single = plain
+        if single is None:
+            return http2.header_frames(stream_id, fragment, end_stream=bool(flags & http2.END_STREAM))
+        return b"".join((single, _END_HEADERS_FLAGS[flags & http2.END_STREAM], stream_id.to_bytes(4, "big"), fragment))
 
     def _open_stream(self, stream_id: int, block: HeaderBlock) -> bool:
         """A client opened a stream: forward it (True) or answer it here (False)."""
