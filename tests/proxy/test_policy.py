@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
+from tritonshare.proxy import policy
 from tritonshare.proxy.policy import (
     GRPC_RULES,
     GRPC_SERVICE,
@@ -34,6 +36,7 @@ OWN = "own"
         ("POST", "/v2/models/own/generate_stream", "/v2/models/own/generate_stream"),
         ("POST", "/v2/models/%6Fwn/infer", "/v2/models/own/infer"),  # one URL-decoding, then exact match
         ("POST", "/v2/models/own/infer?x=1", "/v2/models/own/infer"),  # query is not forwarded
+        ("GET", "/v2/models/own/versions/%31/ready", "/v2/models/own/versions/1/ready"),  # version decoded once
     ],
 )
 def test_allowed_routes_forward_a_canonical_path(method: str, target: str, upstream: str) -> None:
@@ -83,6 +86,12 @@ def test_allowed_routes_forward_a_canonical_path(method: str, target: str, upstr
         ("POST", "v2/models/own/infer", 400),
         ("GET", "/v2/models/own/versions/x1/ready", 400),
         ("GET", "/v2/models/own/versions/%31%2F2/ready", 400),
+        ("GET", "/v2/models/own/versions/%D9%A1/ready", 400),  # a digit, but not ASCII: never sent to Triton
+        ("GET", "/v2/models/own/versions/%C2%B2/ready", 400),
+        ("GET", "/v2/models/own/..", 400),
+        ("GET", "/v2/models/own/.", 400),
+        # a denied API is denied whichever model it names, not "not found"
+        ("GET", "/v2/models/other/trace/setting", 403),
         # wrong methods on own routes: 405
         ("DELETE", "/v2/models/own", 405),
         ("GET", "/v2/models/own/infer", 405),
@@ -137,3 +146,68 @@ def test_grpc_model_names_match_exactly() -> None:
     for name in (b"", b"other", b"own ", b"OWN", b"own\x00"):
         assert not grpc_model_allowed(rule, name, b"own"), name
     assert grpc_model_allowed(GRPC_RULES[f"/{GRPC_SERVICE}/ServerLive"], b"", b"own")
+
+
+@pytest.mark.parametrize(
+    ("target", "route"),
+    [
+        ("/v2/repository", "repository"),
+        ("/v2/repository/index", "repository"),
+        ("/v2/repository/models/own/load", "repository"),
+        ("/v2/systemsharedmemory/status", "system_shared_memory"),
+        ("/v2/cudasharedmemory/region/r/register", "cuda_shared_memory"),
+        ("/v2/models/other/trace/setting", "model_trace"),
+    ],
+)
+def test_denied_apis_are_named_in_metrics_by_their_route(target: str, route: str) -> None:
+    decision = judge_rest("POST", target, OWN)
+    assert (decision.status, decision.route) == (403, route)
+
+
+def test_a_wrong_method_is_named_in_the_answer() -> None:
+    decision = judge_rest("DELETE", "/v2/models/own", OWN)
+    assert decision.status == 405
+    assert "DELETE" in decision.message and "/v2/models/own" in decision.message
+
+
+@pytest.mark.parametrize("action", ["infer", "generate", "generate_stream"])
+def test_every_rest_infer_route_is_inspected_for_shared_memory(action: str) -> None:
+    rule = judge_rest("POST", f"/v2/models/own/{action}", OWN).rule
+    assert rule is not None and rule.inspect
+
+
+@pytest.mark.parametrize("rpc", ["ModelInfer", "ModelStreamInfer"])
+def test_every_grpc_infer_rpc_is_inspected_for_shared_memory(rpc: str) -> None:
+    rule = judge_grpc_method(f"/inference.GRPCInferenceService/{rpc}")
+    assert rule is not None and rule.inspect
+
+
+def test_grpc_paths_are_the_ones_triton_clients_send() -> None:
+    # Spelled out, not built from GRPC_SERVICE: a typo in the constant would refuse every client.
+    assert judge_grpc_method("/inference.GRPCInferenceService/ModelInfer") is not None
+    assert judge_grpc_method("/grpc.health.v1.Health/Check") is not None
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "OK",
+        "NOT_FOUND",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "INVALID_ARGUMENT",
+        "UNIMPLEMENTED",
+        "UNAVAILABLE",
+        "INTERNAL",
+        "UNAUTHENTICATED",
+    ],
+)
+def test_grpc_status_codes_are_the_standard_ones(name: str) -> None:
+    assert getattr(policy, f"GRPC_{name}") == getattr(grpc.StatusCode, name).value[0]
+
+
+def test_long_names_in_messages_are_clipped_to_the_limit() -> None:
+    whole = judge_rest("GET", "/v2/models/" + "m" * 120, OWN).message
+    assert "m" * 120 in whole and "…" not in whole
+    clipped = judge_rest("GET", "/v2/models/" + "m" * 121, OWN).message
+    assert "m" * 119 + "…'" in clipped and "m" * 120 not in clipped
