@@ -10,6 +10,7 @@ import gzip
 import random
 import struct
 import zlib
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -389,3 +390,55 @@ def _varint(value: int) -> bytes:
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+def test_an_empty_message_is_judged_wherever_the_frames_split_it() -> None:
+    # An empty ModelStatistics request asks for every model's statistics: it must be judged even when it is the
+    # stream's last bytes and its 5-byte prefix came split across frames.
+    refused = Refusal(GRPC_NOT_FOUND, "Request for unknown model: '' is not found", "other_model")
+    assert every_cut(framed(b""), rule=STATS) == {refused}
+    judge = MessageJudge(STATS, OWN, limit=1 << 20)
+    assert judge.whole(framed(b""), 0, 5) == refused  # lying whole in one frame: judged there
+
+
+@pytest.mark.parametrize("cut", [0, 1, 2, 3, 4, 5, 40])
+def test_a_stream_of_many_messages_is_counted_and_its_first_end_kept_wherever_it_splits(cut: int) -> None:
+    # A prefix split across frames must not be re-read as the start of a message (400 messages: enough bytes
+    # for a misread length to seem whole). The relay holds a stream for admission from the first message's end.
+    one = framed(infer().SerializeToString())
+    data = one * 400
+    inspector = MessageInspector(MessageJudge(STREAM, OWN, limit=1 << 20), encoding=None)
+    assert inspector.feed(data, 0, cut) is None
+    assert inspector.feed(data, cut, len(data)) is None
+    assert inspector.messages == 400
+    assert inspector.first_end == len(one)
+
+
+def test_a_compressed_flag_other_than_0_or_1_is_refused() -> None:
+    message = bytes([2]) + struct.pack(">L", 5) + b"\x0a\x03own"
+    for refusal in every_cut(message, encoding=b"gzip"):
+        assert refusal is not None and refusal.status == GRPC_INVALID_ARGUMENT
+
+
+def test_an_uncompressed_message_after_a_compressed_one_is_read_as_it_is() -> None:
+    # gRPC flags each message: a stream with grpc-encoding gzip may send some uncompressed.
+    compressed = framed(gzip.compress(infer().SerializeToString()), compressed=True)
+    plain = framed(infer().SerializeToString())
+    data = compressed + plain
+    assert {inspect(data, cut, rule=STREAM, encoding=b"gzip") for cut in range(len(compressed), len(data))} == {None}
+    inspector = MessageInspector(MessageJudge(STREAM, OWN, limit=1 << 20), encoding=b"gzip")
+    assert inspector.feed(compressed * 3 + plain, 0, 3 * len(compressed) + len(plain)) is None
+    assert (inspector.messages, inspector.first_end) == (4, len(compressed))
+    other = compressed + framed(infer("other").SerializeToString())
+    refusal = inspect(other, len(compressed) + 3, rule=STREAM, encoding=b"gzip")
+    assert refusal is not None and refusal.status == GRPC_NOT_FOUND
+
+
+@pytest.mark.parametrize(("encoding", "packed"), [(b"gzip", zlib.compress), (b"deflate", gzip.compress)])
+def test_a_message_compressed_otherwise_than_its_encoding_says_is_refused(
+    encoding: bytes, packed: Callable[[bytes], bytes]
+) -> None:
+    # Triton inflates with the format grpc-encoding names: the proxy must not read another one in its place.
+    message = framed(packed(infer().SerializeToString()), compressed=True)
+    refusal = inspect(message, encoding=encoding)
+    assert refusal is not None and refusal.status == GRPC_INVALID_ARGUMENT
