@@ -672,6 +672,34 @@ def test_new_request_while_draining_gets_503_and_close(local: LocalRest, own: st
         assert conn.closed_by_peer()
 
 
+def test_readiness_asked_in_a_drain_grace_is_503_where_another_request_is_served(local: LocalRest, own: str) -> None:
+    """A request whose head was arriving when draining began may complete (the grace), but never the readiness
+    probe: the pod must leave the Service from the moment it drains."""
+    probe = b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n"
+    own_ready = f"GET /v2/models/{own}/ready HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+
+    def drain() -> None:
+        local.state.draining = True
+        local.frontend.begin_drain()
+
+    with Raw(local.port) as graced, Raw(local.port) as prober, Raw(local.port) as pipelined:
+        assert prober.send(probe).response()[0] == 200  # ready before the drain
+        graced.send(own_ready[:10])
+        prober.send(probe[:10])
+        pipelined.send(own_ready[:10])
+        time.sleep(0.2)
+        local.call(drain)
+        status, headers, _ = graced.send(own_ready[10:]).response()
+        assert status == 200 and headers["connection"] == "close"  # the grace: served, then closed
+        status, headers, body = prober.send(probe[10:]).response()
+        assert status == 503 and headers["connection"] == "close" and "shutting down" in error_of(body)
+        assert prober.closed_by_peer()
+        # A probe pipelined behind a graced request is not served: the connection closes after the first answer.
+        status, headers, _ = pipelined.send(own_ready[10:] + probe).response()
+        assert status == 200 and headers["connection"] == "close"
+        assert pipelined.closed_by_peer()
+
+
 def test_a_head_not_complete_in_time_gets_408_and_an_idle_connection_is_closed(
     triton: TritonServer, served_models: ServedModels
 ) -> None:
