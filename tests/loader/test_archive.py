@@ -20,7 +20,16 @@ from pathlib import Path
 import pytest
 
 from tritonshare.common.errors import ExitCode, InsufficientSpace, InvalidModel, UnsafeArchive
-from tritonshare.loader.archive import Budget, member_target, unpack, unpack_tar, unpacker_for
+from tritonshare.loader.archive import (
+    MAX_DEPTH,
+    MAX_HEADER_BYTES,
+    Budget,
+    looks_like_html,
+    member_target,
+    unpack,
+    unpack_tar,
+    unpacker_for,
+)
 
 Member = tuple[str, str, bytes | str]  # (kind: file|dir|symlink|hardlink|chr|fifo, name, data or link target)
 
@@ -480,3 +489,99 @@ def test_a_member_nested_deeper_than_any_model_is_refused(tmp_path: Path, dest: 
     archive = make(tmp_path, suffix, [*MODEL, ("file", deep, "x")])
     with pytest.raises(UnsafeArchive, match=r"its path is 1102 levels deep, more than 64"):
         unpack(archive, dest)
+
+
+# ------------------------------------------------------------------ bounds, exactly
+
+
+def test_a_long_name_header_just_over_the_bound_is_refused(tmp_path: Path, dest: Path) -> None:
+    header = tarfile.TarInfo("././@LongLink")
+    header.type, header.size = tarfile.GNUTYPE_LONGNAME, MAX_HEADER_BYTES + 1
+    archive = tmp_path / "long.tar"
+    archive.write_bytes(header.tobuf(format=tarfile.GNU_FORMAT) + bytes(MAX_HEADER_BYTES + 512))
+    with pytest.raises(InvalidModel, match=rf"of {MAX_HEADER_BYTES + 1} bytes, more than the {MAX_HEADER_BYTES}"):
+        unpack(archive, dest)
+
+
+@pytest.mark.parametrize("suffix", [".tar.gz", ".zip"])
+def test_a_model_of_exactly_the_free_space_unpacks_and_a_byte_more_does_not(
+    tmp_path: Path, dest: Path, suffix: str
+) -> None:
+    files = [("file", f"model/1/part{i}.bin", bytes(1000)) for i in range(3)]  # each fits; together 3000 bytes
+    archive = make(tmp_path, suffix, files)
+    assert unpack(archive, dest, max_bytes=3000) == 3
+    shutil.rmtree(dest / "model")
+    with pytest.raises(InsufficientSpace, match=r"'model/1/part2.bin' would bring the model to 3000 bytes"):
+        unpack(archive, dest, max_bytes=2999)
+
+
+@pytest.mark.parametrize("suffix", [".tar.gz", ".zip"])
+def test_a_member_exactly_as_deep_as_the_bound_unpacks(tmp_path: Path, dest: Path, suffix: str) -> None:
+    deepest = "/".join(["d"] * (MAX_DEPTH - 1)) + "/f.py"  # MAX_DEPTH parts
+    unpack(make(tmp_path, suffix, [("file", deepest, "x")]), dest)
+    assert (dest / deepest).read_text() == "x"
+    with pytest.raises(UnsafeArchive, match=rf"{MAX_DEPTH + 1} levels deep"):
+        unpack(make(tmp_path / "out", suffix, [("file", "d/" + deepest, "x")]), dest)
+
+
+# ------------------------------------------------------------------ odd but legitimate, or odd and refused
+
+
+@pytest.mark.parametrize("suffix", [".tar.gz", ".zip"])
+def test_a_windows_drive_path_is_refused(tmp_path: Path, dest: Path, suffix: str) -> None:
+    with pytest.raises(UnsafeArchive, match=r"member 'C:/evil.txt' is refused: its path is absolute"):
+        unpack(make(tmp_path, suffix, [("file", "C:/evil.txt", "x")]), dest)
+
+
+def test_a_hard_link_in_a_folder_is_read_from_the_archives_root(tmp_path: Path, dest: Path) -> None:
+    # "../x" from model/1 stays inside; from the root (where tar resolves hard links) it leaves.
+    archive = make_tar(tmp_path / "m.tar", [*MODEL, ("hardlink", "model/1/copy", "../config.pbtxt")], "w")
+    with pytest.raises(UnsafeArchive, match=r"it links to '\.\./config\.pbtxt', outside the model folder"):
+        unpack(archive, dest)
+
+
+@pytest.mark.parametrize("suffix", [".tar.gz", ".zip"])
+def test_a_link_to_nothing_is_refused(tmp_path: Path, dest: Path, suffix: str) -> None:
+    with pytest.raises(UnsafeArchive, match=r"member 'model/x' is refused: it links to the absolute path ''"):
+        unpack(make(tmp_path, suffix, [*MODEL[:2], ("symlink", "model/x", "")]), dest)
+
+
+def test_a_zip_member_repeated_as_a_link_replaces_the_earlier_one(tmp_path: Path, dest: Path) -> None:
+    with pytest.warns(UserWarning, match="Duplicate name"):  # zipfile's own, on writing
+        archive = make_zip(
+            tmp_path / "m.zip",
+            [*MODEL, ("symlink", "model/1/latest", "model.py"), ("symlink", "model/1/latest", "weights.bin")],
+        )
+    unpack(archive, dest)
+    assert os.readlink(dest / "model" / "1" / "latest") == "weights.bin"
+
+
+def test_a_zip_made_without_unix_modes_unpacks_its_files(tmp_path: Path, dest: Path) -> None:
+    # Windows' and many other tools' zips carry no Unix mode: external_attr's high half is 0.
+    archive = tmp_path / "m.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        info = zipfile.ZipInfo("model/config.pbtxt")
+        info.external_attr = 0x20  # MS-DOS "archive" attribute only
+        zf.writestr(info, 'backend: "python"\n')
+    unpack(archive, dest)
+    assert (dest / "model" / "config.pbtxt").read_text() == 'backend: "python"\n'
+
+
+def test_the_folder_itself_as_a_zip_file_is_refused(tmp_path: Path, dest: Path) -> None:
+    # ("./", ending in "/", is a folder to zipfile whatever its mode, and skipped)
+    with pytest.raises(UnsafeArchive, match=r"member '\.' is refused"):
+        unpack(make(tmp_path, ".zip", [("file", ".", "x")]), dest)
+
+
+@pytest.mark.parametrize(
+    ("head", "html"),
+    [
+        (b"<!DOCTYPE html><html><body>Sign in</body></html>", True),
+        (b"\xef\xbb\xbf\r\n  <!-- login --><HTML><head>", True),  # a BOM, blank lines, a comment, upper case
+        (b"<?xml version='1.0'?><Error><Code>AccessDenied</Code></Error>", False),  # XML, not a page
+        (b"PK\x03\x04model/index.html<html>", False),  # an archive holding a page is an archive
+        (b"\x1f\x8b\x08\x00<html>", False),
+    ],
+)
+def test_an_html_page_is_told_from_an_archive_that_mentions_one(head: bytes, html: bool) -> None:
+    assert looks_like_html(head) is html
