@@ -20,9 +20,9 @@ from tritonshare.common.errors import ExitCode, InstallConflict
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import Holder, LeaseStore
 from tritonshare.common.repository import RECORD_FILE, InstallRecord, read_record
-from tritonshare.common.triton import TritonClient
+from tritonshare.common.triton import ModelState, TritonClient
 from tritonshare.loader import install as install_module
-from tritonshare.loader.install import Withdrawal, existing, install, listing_digest, withdraw
+from tritonshare.loader.install import Withdrawal, existing, install, listing_digest, take_over, withdraw
 from tritonshare.loader.sources.base import Checksum, RemoteObject, display_uri, query_identity
 
 OBJECTS = [
@@ -191,3 +191,67 @@ def test_urls_naming_other_objects_by_their_query_are_other_installs_re_signed_o
     assert query_identity(signed) == query_identity(resigned) == "version=3"
     assert query_identity("https://h/m.tgz") == query_identity("/models/m") == ""
     assert listing_digest(OBJECTS, "") == listing_digest(OBJECTS)  # installs from plain URLs keep their digest
+
+
+def test_a_file_where_the_folder_would_be_is_a_conflict(node: NodeLayout) -> None:
+    node.model_dir("m").write_text("an operator's note")
+    with pytest.raises(InstallConflict, match=r"exists but was not installed by tritonshare"):
+        existing(node, record())
+    assert node.model_dir("m").read_text() == "an operator's note"
+
+
+def test_withdraw_waits_for_a_load_under_way_to_end_then_takes_the_folder_out(
+    triton: TritonServer, layout: NodeLayout, model_name: str
+) -> None:
+    """LOADING is waited out (up to ``timeout_s``), not taken as a reason to leave the folder at once."""
+    staged = write_model(layout.staging / f"{model_name}.test", model_py=SLOW_START_MODEL)
+    install(layout, staged, record(name=model_name))  # Triton loads it at its next poll, for SLOW_START_S
+    wait_loading(triton, model_name)
+    client = TritonClient(triton.url)
+    assert withdraw(layout, model_name, client, timeout_s=60, interval_s=0.1) is Withdrawal.REMOVED
+    assert not layout.model_dir(model_name).exists()
+
+
+def test_withdraw_asks_an_explicit_mode_triton_to_stop_serving_what_it_took_out(
+    explicit_triton: tuple[TritonServer, NodeLayout], tmp_path: Path, model_name: str
+) -> None:
+    """Explicit mode keeps serving a model whose folder is gone, holding its GPU memory, until told."""
+    server, layout = explicit_triton
+    install(layout, write_model(tmp_path / "staged"), record(name=model_name))
+    client = TritonClient(server.url)
+    assert client.load(model_name).status == 200 and client.model_ready(model_name)
+    assert withdraw(layout, model_name, client, timeout_s=5) is Withdrawal.REMOVED
+    deadline = time.monotonic() + 10
+    while client.model_ready(model_name):
+        assert time.monotonic() < deadline, "Triton still serves a withdrawn model"
+        time.sleep(0.1)
+
+
+class LeaseTakenDuringTheWait(TritonClient):
+    """A real Triton client; while ``withdraw`` first asks it about NAME, another pod takes a lease on NAME."""
+
+    def __init__(self, url: str, leases: LeaseStore, holder: Holder) -> None:
+        super().__init__(url)
+        self.leases, self.holder = leases, holder
+
+    def model_states(self, name: str) -> list[ModelState]:
+        if not self.leases.leases(name):
+            self.leases.acquire(name, self.holder)
+        return super().model_states(name)
+
+
+def test_a_lease_taken_while_withdraw_waited_keeps_the_folder(
+    node: NodeLayout, tmp_path: Path, triton: TritonServer
+) -> None:
+    install(node, write_model(tmp_path / "staged"), record())
+    client = LeaseTakenDuringTheWait(triton.url, LeaseStore(node.leases), Holder(uid="pod-new"))
+    assert withdraw(node, "m", client, timeout_s=5) is Withdrawal.SHARED
+    assert os.listdir(node.repository) == ["m"]
+
+
+def test_take_over_never_touches_a_folder_without_tritonshares_record(node: NodeLayout, triton: TritonServer) -> None:
+    """Even when every lease on NAME has expired: an operator's folder is not tritonshare's to retire."""
+    theirs = write_model(node.model_dir("m"))
+    LeaseStore(node.leases, clock=lambda: time.time() - 3600).acquire("m", Holder(uid="pod-dead"))
+    assert not take_over(node, record(), TritonClient(triton.url), holder=Holder(uid="pod-new"))
+    assert (theirs / "config.pbtxt").exists()
