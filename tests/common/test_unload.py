@@ -86,6 +86,7 @@ def test_without_a_pod_identity_unload_refuses_a_model_pods_hold_unless_forced(
     assert "pass --force" in refused.reason
     forced = unload_model(dataclasses.replace(unload_settings(layout, triton.url, "m", None, timeout_s=5), force=True))
     assert forced.removed and forced.exit_code == ExitCode.OK and not folder.exists()
+    assert LeaseStore(layout.leases).leases("m") == []  # the pods' leases went with the folder they named
 
 
 def test_unload_deletes_the_folder_once_names_lock_is_released(
@@ -144,6 +145,7 @@ def test_unload_while_triton_starts_up_leaves_the_folder_it_is_loading_and_trito
         assert not server.live(), "Triton answered before it loaded the repository: the test proves nothing"
         result = unload_model(unload_settings(layout, server.url, "victim", None, timeout_s=1))
         assert result.exit_code == ExitCode.TRITON_UNAVAILABLE and not result.removed and folder.is_dir()
+        assert "lease on it is dropped" not in result.reason  # no pod identity: it held no lease to drop
         wait_model_ready(server, "victim", timeout_s=60)  # start-up went on: the load was not cut from under it
     finally:
         server.stop()
@@ -156,6 +158,7 @@ def test_pollings_refusal_of_the_unload_call_counts_as_done(
     client = TritonClient(triton.url)
     refusal = client.unload(model_name)
     assert (refusal.status, refusal.error_text()) == (503, POLL_REFUSAL)  # what Triton 2.51 answers in POLL mode
+    assert request_unload(client, model_name)  # and the call counts as done: there, removing the folder unloads
     with caplog.at_level(logging.WARNING, logger="tritonshare.common.unload"):
         result = unload_model(unload_settings(layout, triton.url, model_name, None, timeout_s=30))
     assert result.removed and result.unloaded and result.exit_code == ExitCode.OK
@@ -241,3 +244,20 @@ def test_an_unload_command_that_succeeds_writes_no_termination_message(tmp_path:
     done = unload_command(layout, triton.url, message, "--pod-uid", POD_A.uid, "--timeout-s", "5")
     assert done.returncode == ExitCode.OK, done.stderr
     assert not folder.exists() and not message.exists()
+
+
+def test_a_pod_holding_no_lease_leaves_the_model_served_and_exits_0(
+    triton: TritonServer, layout: NodeLayout, model_name: str
+) -> None:
+    """Not this pod's to remove (its lease was given up, or never taken): kept, at once, not waited on."""
+    install_model(layout, triton, model_name)
+    result = unload_model(unload_settings(layout, triton.url, model_name, POD_A, timeout_s=5))
+    assert result.kept and not result.removed and result.exit_code == ExitCode.OK
+    assert model_ready(triton, model_name) and layout.model_dir(model_name).is_dir()
+    assert unload_model(unload_settings(layout, triton.url, model_name, None, timeout_s=30)).removed  # tidy up
+
+
+def test_unloading_a_name_with_no_folder_removes_nothing_and_exits_0(tmp_path: Path, triton: TritonServer) -> None:
+    layout = node(tmp_path)
+    result = unload_model(unload_settings(layout, triton.url, "absent", None, timeout_s=5))
+    assert not result.removed and result.unloaded and result.exit_code == ExitCode.OK
