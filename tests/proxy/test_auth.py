@@ -94,6 +94,11 @@ def test_a_changed_file_is_picked_up_within_a_second_not_before(tmp_path: Path, 
     assert tokens.check_http(b"Bearer new-and-longer")
     assert not tokens.check_http(b"Bearer old")
     assert tokens.stats["reloads"] == 1
+    write(path, "newest\n")  # looked at 1.1 s in: the next look is due a full interval later, at 2.1 s
+    clock.now += 0.5
+    assert tokens.check_http(b"Bearer new-and-longer")
+    clock.now += 0.5  # exactly one interval since the last look: due now
+    assert tokens.check_http(b"Bearer newest")
 
 
 def test_unchanged_file_is_not_read_again(tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -197,6 +202,11 @@ def test_a_vanished_file_keeps_the_tokens_loaded_and_warns_once(
     write(path, "back\n")
     clock.now += 1.1
     assert tokens.check_http(b"Bearer back") and not tokens.check_http(b"Bearer tok")
+    path.unlink()  # vanishing again after a good read is news again: warned again
+    with caplog.at_level(logging.WARNING, logger="tritonshare.proxy.auth"):
+        clock.now += 1.1
+        assert tokens.check_http(b"Bearer back")
+    assert len([r for r in caplog.records if "cannot stat it" in r.getMessage()]) == 2
 
 
 def test_a_file_grown_past_a_secret_s_size_keeps_the_tokens_loaded(
@@ -284,3 +294,37 @@ def test_open_routes_are_only_probes_the_proxy_answers_itself() -> None:
         assert grpc_rules[route].verdict in (Verdict.LIVE, Verdict.READY), route
     assert "server_metadata" not in OPEN_REST_ROUTES and "ServerMetadata" not in OPEN_GRPC_ROUTES
     assert not {"infer", "model_metadata", "ModelInfer", "ModelStreamInfer"} & (OPEN_REST_ROUTES | OPEN_GRPC_ROUTES)
+
+
+def test_a_file_of_exactly_a_secrets_size_is_read(tmp_path: Path, clock: Clock) -> None:
+    head = "tok\n# "
+    path = write(tmp_path / "t", head + "x" * ((1 << 20) - len(head) - 1) + "\n")
+    assert path.stat().st_size == 1 << 20
+    assert tokens_at(path, clock).check_http(b"Bearer tok")
+
+
+def test_a_line_with_a_del_character_is_no_token(tmp_path: Path, clock: Clock) -> None:
+    path = write(tmp_path / "t", "good\n")
+    tokens = tokens_at(path, clock)
+    write(path, "good\nbad\x7f\n")
+    clock.now += 1.1
+    assert tokens.check_http(b"Bearer good") and not tokens.check_http(b"Bearer bad\x7f")
+    assert tokens.count == 1
+
+
+def test_a_report_of_many_bad_lines_names_the_first_ten(
+    tmp_path: Path, clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write(tmp_path / "t", "good\n")
+    tokens = tokens_at(path, clock)
+    write(path, "good\n" + "a b\n" * 12)
+    clock.now += 1.1
+    with caplog.at_level(logging.ERROR, logger="tritonshare.proxy.auth"):
+        assert tokens.check_http(b"Bearer good")
+    assert "line(s) 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 are not tokens" in caplog.text
+
+
+def test_a_bearer_scheme_without_a_token_counts_as_missing(tmp_path: Path, clock: Clock) -> None:
+    tokens = tokens_at(write(tmp_path / "t", "tok\n"), clock)
+    assert not tokens.check_http(b"Bearer   ")
+    assert (tokens.stats["missing"], tokens.stats["invalid"]) == (1, 0)
