@@ -312,6 +312,85 @@ def test_a_slot_comes_back_whatever_ends_the_request(
     assert metric(proxy, "tritonshare_proxy_admission_inflight{") == 0.0
 
 
+def _infer_bytes(model: str, value: float, *headers: str) -> bytes:
+    """One whole infer request, head and body, in the bytes a keep-alive client repeats (values of one digit
+    give bodies of one length, so heads of the same bytes: the memoised head, the short path)."""
+    body = infer_body(value)
+    extra = "".join(f"{header}\r\n" for header in headers)
+    head = f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: x\r\n{extra}Content-Length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+def _status_of(sock: socket.socket, request: bytes) -> int:
+    """Send ``request`` (in one write) and read its whole response (Content-Length framed); its status."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536) or pytest.fail(f"the proxy closed the connection: {data!r}")
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))[15:])
+    while len(body) < length:
+        body += sock.recv(65536) or pytest.fail("the proxy closed the connection mid-body")
+    return int(head.split(b" ", 2)[1])
+
+
+def test_a_slot_taken_on_the_short_path_comes_back_when_its_client_leaves_while_triton_computes(
+    start_proxy: Callable[..., ProxyProcess], recording_model: Callable[[float], RecordingModel]
+) -> None:
+    """A repeated head with a free slot takes it on the short path; the client leaving mid-exchange gives it back
+    once Triton has answered (the next request waits for that), and only once (nothing in flight after)."""
+    model = recording_model(0.5)
+    proxy = start_proxy(model.name, "--no-unload", "--max-inflight", "1", "--queue-timeout-s", "3")
+    with socket.create_connection(("127.0.0.1", proxy.http_port), timeout=30) as sock:
+        assert _status_of(sock, _infer_bytes(model.name, 1)) == 200  # its head judged and memoised
+        sock.sendall(_infer_bytes(model.name, 2))  # the same head bytes: the short path
+        time.sleep(0.1)
+    assert infer(proxy.http_port, model.name, 3)[0] == 200
+    runs = model.runs()
+    assert [r.value for r in runs] == [1, 2, 3] and most_at_once(runs) == 1  # 3 waited for the orphaned 2
+    assert metric(proxy, "tritonshare_proxy_admission_inflight{") == 0.0
+    assert metric(proxy, "tritonshare_proxy_admission_queued_total{") == 1  # 3, behind 2's slot
+
+
+def test_a_memoised_head_finding_every_slot_taken_waits_in_the_queue(
+    start_proxy: Callable[..., ProxyProcess], recording_model: Callable[[float], RecordingModel]
+) -> None:
+    """The short path takes a slot only when one is free now: a repeated head that finds none queues as any
+    request does (in arrival order, the cap held), and the one after it takes the short path again."""
+    model = recording_model(0.4)
+    proxy = start_proxy(model.name, "--no-unload", "--max-inflight", "1", "--queue-timeout-s", "5")
+    port = proxy.http_port
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as first:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as second:
+            assert _status_of(first, _infer_bytes(model.name, 1)) == 200  # memoised
+            with ThreadPoolExecutor(1) as pool:
+                running = pool.submit(_status_of, first, _infer_bytes(model.name, 2))
+                time.sleep(0.15)
+                assert _status_of(second, _infer_bytes(model.name, 3)) == 200  # waited for 2's slot
+                assert running.result() == 200
+            assert _status_of(second, _infer_bytes(model.name, 4)) == 200
+    runs = model.runs()
+    assert [r.value for r in runs] == [1, 2, 3, 4] and most_at_once(runs) == 1
+    assert runs[2].start >= runs[1].end
+    assert metric(proxy, "tritonshare_proxy_admission_queued_total{") == 1
+    assert metric(proxy, "tritonshare_proxy_admission_inflight{") == 0.0
+
+
+def test_a_rate_limit_token_taken_on_the_short_path_counts_and_refuses_as_before(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
+) -> None:
+    """Repeated heads on one keep-alive connection (the short path) spend the bucket as others do: 2 of burst 2
+    pass, the rest are 429 and counted once each, inference and metadata alike; the connection stays usable."""
+    own = served_models.own
+    proxy = start_proxy(own, "--no-unload", "--rate-limit-rps", "0.2", "--rate-limit-burst", "2")
+    config = f"GET /v2/models/{own}/config HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", proxy.http_port), timeout=30) as sock:
+        inference = [_status_of(sock, _infer_bytes(own, i)) for i in range(5)]
+        metadata = [_status_of(sock, config) for _ in range(5)]
+    assert inference == metadata == [200, 200, 429, 429, 429]
+    assert metric(proxy, f'tritonshare_proxy_admission_throttled_total{{model="{own}"}}') == 6
+
+
 # ---------------------------------------------------------------------------------------------- bearer tokens
 
 

@@ -258,6 +258,11 @@ class Admission:
         self._log.note()
         return self._refusals["rate_limited"]
 
+    def try_metadata_token(self) -> bool:
+        """Take a token of the metadata bucket now if it has one (True); False counts nothing: then call
+        :meth:`take_metadata_token`, which refuses and counts. Call only when :attr:`rate_limited`."""
+        return self._metadata_bucket is None or self._metadata_bucket.take()
+
     def release(self) -> None:
         """A request holding a slot is over (response complete, stream closed, or failed)."""
         if self._queue:

@@ -19,9 +19,12 @@ Cost per request is what a sidecar per model pod is judged by (issue 4: nginx-cl
 is short: a whole request in one read, its head seen before, goes to Triton in one write, and a response that
 comes whole goes back untouched. Heads are parsed and judged once, memoised by their exact bytes (parsing and
 judging are pure functions of them), and the memo also records whether a head may take that short path; per
-request only the drain state, the body length and the shared-memory marker are looked at. With
-authentication, admission control or a rate limit on, the routes they cover take the general path (the token is
-checked per request, never memoised; metadata routes take a token of their rate-limit bucket there).
+request only the drain state, the body length and the shared-memory marker are looked at. With admission
+control or a rate limit on, a request they cover stays on the short path when it can take its slot (or its
+rate-limit token) at once; one that must wait for a slot, or is refused, takes the general path, which queues,
+refuses and counts (:meth:`~tritonshare.proxy.rest_connection.ClientConnection._gates_open`). With
+authentication on, the routes it covers take the general path (the token is checked per request, never
+memoised).
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class Judged:
     limited: bool  # takes an admission slot (when admission control is on)
     metered: bool  # takes a token of the metadata bucket (when rate limiting is on)
     open: bool  # needs no bearer token (when authentication is on)
+    gated: bool  # admission control or the rate limit covers it: the short path asks them first
     quick: bool  # may take the short path, given its whole body without the shared-memory marker
     length: int  # Content-Length (0 without one)
     meter: RouteMeter  # the route's request accounting
@@ -124,7 +128,8 @@ def judge_head(
         decision = RestDecision(413, route, body_too_large(rules.max_body_bytes))
     if decision.status:
         return Judged(
-            head, decision, route, b"", False, None, False, limited, metered, open_, False, length, meter, False, None
+            head, decision, route, b"", False, None, False, limited, metered, open_, False, False, length, meter,
+            False, None,
         )  # fmt: skip
     probe = probes.get(decision.rule.verdict) if probes is not None and decision.rule is not None else None
     inspect = decision.rule is not None and decision.rule.inspect and head.has_body
@@ -137,16 +142,15 @@ def judge_head(
         and not head.expect_continue
         and length <= WHOLE_BODY_BYTES
         and not (inspect and (length > rules.max_json_bytes or (json_length or 0) > length))
-        and not (limited and rules.admitting)
-        and not (metered and rules.rate_limiting)
         and (open_ or not rules.authenticating)
         and probe is None
     )
+    gated = (limited and rules.admitting) or (metered and rules.rate_limiting)
     upstream = upstream_head(head, decision.upstream_path, rules.host)
     verbatim = upstream == raw + b"\r\n\r\n"
     return Judged(
-        head, decision, route, upstream, inspect, json_length, whole, limited, metered, open_, quick, length, meter,
-        verbatim, probe,
+        head, decision, route, upstream, inspect, json_length, whole, limited, metered, open_, gated, quick, length,
+        meter, verbatim, probe,
     )  # fmt: skip
 
 

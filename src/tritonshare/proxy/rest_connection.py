@@ -101,6 +101,7 @@ class ClientConnection(RequestPath, asyncio.Protocol):
                         )
                     )
                 )
+                and (not judged.gated or self._gates_open(judged))
             ):
                 ex = self.exchange = self.sent
                 ex.judged, ex.response_done = judged, False
@@ -120,6 +121,21 @@ class ClientConnection(RequestPath, asyncio.Protocol):
         if self.buf:
             data, self.buf = self.buf + data, b""
         self._consume(data)
+
+    def _gates_open(self, judged: Judged) -> bool:
+        """The short path's admission of a request that admission control or the rate limit covers: it takes its
+        slot (inference: held by the short path's exchange, given back as the general path's are, see
+        :mod:`tritonshare.proxy.rest_requests`) or its metadata token now, if one is free. False: it takes the
+        general path, which asks again, then queues it, or refuses and counts it."""
+        gate = self.state.admission
+        if judged.limited:
+            if gate.active:
+                if not gate.try_acquire():
+                    return False
+                self.sent.holding = True
+        elif judged.metered and gate.rate_limited and not gate.try_metadata_token():
+            return False
+        return True
 
     def _recall(self, data: bytes) -> Judged | None:
         """The memo's judgement of ``data`` when it is exactly one request, head and whole body (remembered

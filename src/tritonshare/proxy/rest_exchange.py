@@ -41,10 +41,11 @@ class Exchange:
 
     @classmethod
     def sent_whole(cls) -> Exchange:
-        """The short path's exchange, made once per connection: a request forwarded whole in one write,
-        holding no admission slot. Nothing changes those fields while it is in progress (a body, a ticket, a
-        slot are set only before a request is forwarded whole), so per request only ``judged``, ``started``
-        and ``response_done`` are set."""
+        """The short path's exchange, made once per connection: a request forwarded whole in one write. Nothing
+        changes those fields while it is in progress (a body or a ticket is set only before a request is
+        forwarded whole), so per request only ``judged``, ``started`` and ``response_done`` are set, and
+        ``holding`` when the request took an admission slot (every end of an exchange holding one gives it back
+        and sets it False again: :meth:`~tritonshare.proxy.rest_requests.RequestPath._settle`)."""
         ex = cls()
         ex.body = ex.ticket = None
         ex.forwarded = ex.request_done = True
