@@ -101,6 +101,26 @@ def test_a_changed_file_is_picked_up_within_a_second_not_before(tmp_path: Path, 
     assert tokens.check_http(b"Bearer newest")
 
 
+def test_the_generation_changes_with_every_reload_and_only_then(tmp_path: Path, clock: Clock) -> None:
+    """A front end keeps a head's verdict stamped with it: the stamp must go stale the moment a reload counts."""
+    path = write(tmp_path / "t", "old\n")
+    tokens = tokens_at(path, clock)
+    first = tokens.current()
+    clock.now += 1.1
+    assert tokens.current() == first  # looked at, unchanged: the verdicts stand
+    write(path, "new-and-longer\n")
+    clock.now += 0.5
+    assert tokens.current() == first  # not looked at again yet, as for a full check
+    clock.now += 0.6
+    assert tokens.current() != first and tokens.stats["reloads"] == 1
+    assert not tokens.check_http(b"Bearer old")
+    path.unlink()
+    clock.now += 1.1
+    before = tokens.current()  # a file that cannot be read keeps the tokens, and so the verdicts
+    clock.now += 1.1
+    assert tokens.current() == before and tokens.stats["reload_errors"] == 2
+
+
 def test_unchanged_file_is_not_read_again(tmp_path: Path, clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     tokens = tokens_at(write(tmp_path / "t", "tok\n"), clock)
     reads: list[Path] = []

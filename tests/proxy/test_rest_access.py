@@ -466,6 +466,28 @@ def test_a_changed_token_file_counts_without_a_restart(
         conn.close()
 
 
+def test_a_token_revoked_by_a_reload_is_refused_on_the_next_request_of_a_memoised_head(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels, tmp_path: Path
+) -> None:
+    """The head (its Authorization included) is memoised and its verdict kept for the short path, but only while
+    the token file is unchanged: the first request after the reload that drops the token is 401, on the same
+    keep-alive connection with the same bytes, and the token now in the file passes at once."""
+    own = served_models.own
+    path = tmp_path / "tokens"
+    path.write_text("alpha-token\n")
+    proxy = start_proxy(own, "--no-unload", "--auth-token-file", str(path))
+    alpha = _infer_bytes(own, 1, "Authorization: Bearer alpha-token")
+    with socket.create_connection(("127.0.0.1", proxy.http_port), timeout=30) as sock:
+        assert [_status_of(sock, alpha) for _ in range(3)] == [200, 200, 200]  # the last two: the short path
+        write_atomically(path, b"beta-token\n")
+        time.sleep(1.3)  # the file is looked at once a second: the next request looks
+        assert _status_of(sock, alpha) == 401
+        assert _status_of(sock, alpha) == 401  # a refusal is never kept as a pass either
+        beta = _infer_bytes(own, 1, "Authorization: Bearer beta-token")
+        assert [_status_of(sock, beta) for _ in range(2)] == [200, 200]
+    assert metric(proxy, f'tritonshare_proxy_auth_refused_total{{model="{own}",reason="invalid"}}') == 2
+
+
 def test_the_token_is_not_forwarded_to_triton(served_models: ServedModels, token_file: Path) -> None:
     settings = ProxySettings(name=served_models.own, auth_token_file=token_file)
 

@@ -81,6 +81,7 @@ class BearerTokens:
         self._interval_s = check_interval_s
         self._next_check = clock() + check_interval_s
         self._digests: tuple[bytes, ...] = ()
+        self.generation = 0  # counts the loads of the file: a verdict stamped with an older one no longer holds
         self._identity: _FileIdentity | None = None
         self._trouble = ""  # the last read problem logged, so a lasting one is logged once
         self.stats = {"reloads": 0, "reload_errors": 0, "missing": 0, "invalid": 0}
@@ -99,6 +100,15 @@ class BearerTokens:
     def check_grpc(self, metadata_value: bytes | None) -> bool:
         """The value of the call's ``authorization`` metadata (None when absent) carries a valid token."""
         return self._check(metadata_value)
+
+    def current(self) -> int:
+        """The :attr:`generation` of the tokens in force, after looking at the file if it is time to (as every
+        check does). A front end may keep "this exact presented value is valid" stamped with the generation it
+        was checked under, and take the stamp for the check while it equals this: a reload changes it, so a
+        revoked token is refused from the first request after the reload, as with a full check."""
+        if self._clock() >= self._next_check:
+            self._refresh()
+        return self.generation
 
     def _check(self, value: bytes | None) -> bool:
         if self._clock() >= self._next_check:
@@ -161,6 +171,7 @@ class BearerTokens:
     def _install(self, identity: _FileIdentity, tokens: list[bytes]) -> None:
         self._identity = identity
         self._digests = tuple(hashlib.sha256(token).digest() for token in tokens)
+        self.generation += 1
 
     def _report(self, problem: str) -> None:
         self.stats["reload_errors"] += 1

@@ -23,8 +23,10 @@ request only the drain state, the body length and the shared-memory marker are l
 control or a rate limit on, a request they cover stays on the short path when it can take its slot (or its
 rate-limit token) at once; one that must wait for a slot, or is refused, takes the general path, which queues,
 refuses and counts (:meth:`~tritonshare.proxy.rest_connection.ClientConnection._gates_open`). With
-authentication on, the routes it covers take the general path (the token is checked per request, never
-memoised).
+authentication on, a head whose bearer token was found valid keeps that verdict stamped with the token file's
+generation (:attr:`Judged.verified`): every request compares the stamp with the generation in force, after the
+file is looked at as every check does, so a reload that drops the token refuses the next request; a head never
+found valid takes the general path, which checks it in full and refuses it.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ class HeadRules:
 
 @dataclass(slots=True)
 class Judged:
-    """A request head, parsed and judged once; memoised, never changed (not frozen: see RequestHead)."""
+    """A request head, parsed and judged once; memoised, never changed but for ``verified`` (not frozen: see
+    RequestHead)."""
 
     head: RequestHead
     decision: RestDecision
@@ -90,12 +93,15 @@ class Judged:
     limited: bool  # takes an admission slot (when admission control is on)
     metered: bool  # takes a token of the metadata bucket (when rate limiting is on)
     open: bool  # needs no bearer token (when authentication is on)
-    gated: bool  # admission control or the rate limit covers it: the short path asks them first
+    gated: bool  # admission control, the rate limit or authentication covers it: the short path asks them first
     quick: bool  # may take the short path, given its whole body without the shared-memory marker
     length: int  # Content-Length (0 without one)
     meter: RouteMeter  # the route's request accounting
     verbatim: bool  # the head for Triton is the client's head, byte for byte: forward the client's bytes as they are
     probe: TritonProbe | None  # a probe the proxy answers itself, from what it keeps of Triton's answer
+    # The token file's generation (auth.BearerTokens.current) under which this head's Authorization was found
+    # valid; another generation (-1: never) means check it in full. Only these exact bytes carry that token.
+    verified: int = -1
 
 
 def judge_head(
@@ -142,10 +148,9 @@ def judge_head(
         and not head.expect_continue
         and length <= WHOLE_BODY_BYTES
         and not (inspect and (length > rules.max_json_bytes or (json_length or 0) > length))
-        and (open_ or not rules.authenticating)
         and probe is None
     )
-    gated = (limited and rules.admitting) or (metered and rules.rate_limiting)
+    gated = (limited and rules.admitting) or (metered and rules.rate_limiting) or (rules.authenticating and not open_)
     upstream = upstream_head(head, decision.upstream_path, rules.host)
     verbatim = upstream == raw + b"\r\n\r\n"
     return Judged(

@@ -123,10 +123,14 @@ class ClientConnection(RequestPath, asyncio.Protocol):
         self._consume(data)
 
     def _gates_open(self, judged: Judged) -> bool:
-        """The short path's admission of a request that admission control or the rate limit covers: it takes its
-        slot (inference: held by the short path's exchange, given back as the general path's are, see
-        :mod:`tritonshare.proxy.rest_requests`) or its metadata token now, if one is free. False: it takes the
-        general path, which asks again, then queues it, or refuses and counts it."""
+        """The short path's checks of a request that authentication, admission control or the rate limit covers,
+        in the general path's order: its head's token verdict stands (found valid under the token file's
+        generation in force), then it takes its slot (inference: held by the short path's exchange, given back as
+        the general path's are, see :mod:`tritonshare.proxy.rest_requests`) or its metadata token now, if one is
+        free. False: it takes the general path, which checks again, then queues it, or refuses and counts it."""
+        tokens = self.state.auth
+        if tokens is not None and not judged.open and judged.verified != tokens.current():
+            return False
         gate = self.state.admission
         if judged.limited:
             if gate.active:

@@ -5,15 +5,16 @@ answered here; then on to the next request. :class:`RequestPath` is the base of
 the connection's lifecycle, the short path, flow control and Triton's side.
 
 After the head is judged, in order: draining (503); the bearer token when authentication is on (401 with
-``WWW-Authenticate``; probes are open; checked per request, never memoised, so a changed token file counts at
-once); the policy verdict; admission control for inference routes when it is on: the request takes a slot of
-the model's :class:`~tritonshare.proxy.admission.Admission`, or waits for one (parked: what the client sends
-meanwhile is kept, up to a bound) and is refused with 429 + ``Retry-After`` if the wait fails; with a rate
-limit, a metadata route takes a token of its own bucket or is refused so at once. A slot goes back
-exactly once (:meth:`RequestPath._settle`): at the end of the response, when Triton fails, when the request is
-refused after admission (its body fails the check), or when the client goes — but a request that Triton got
-whole keeps its slot until Triton has answered it (the response is read and dropped), so clients that give up
-and retry cannot push more than the cap into Triton."""
+``WWW-Authenticate``; probes are open; checked per request: a head found valid keeps that verdict only while the
+token file's generation is unchanged, :attr:`~tritonshare.proxy.rest.Judged.verified`, so a changed token file
+counts at once); the policy verdict; admission control for inference routes when it is on: the request takes a slot
+of the model's :class:`~tritonshare.proxy.admission.Admission`, or waits for one (parked: what the client sends
+meanwhile is kept, up to a bound) and is refused with 429 + ``Retry-After`` if the wait fails; with a rate limit, a
+metadata route takes a token of its own bucket or is refused so at once. A slot goes back exactly once
+(:meth:`RequestPath._settle`): at the end of the response, when Triton fails, when the request is refused after
+admission (its body fails the check), or when the client goes — but a request that Triton got whole keeps its slot
+until Triton has answered it (the response is read and dropped), so clients that give up and retry cannot push more
+than the cap into Triton."""
 
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ class RequestPath:
         tokens = self.state.auth
         if self.state.draining and (not self.drain_grace or judged.route == READY_ROUTE):
             self._refuse(ex, 503, "the proxy is shutting down; retry on another replica", "draining", close=True)
-        elif tokens is not None and not judged.open and not tokens.check_http(judged.head.authorization):
+        elif tokens is not None and not judged.open and not self._authenticated(judged, tokens):
             self._refuse(ex, auth.HTTP_STATUS, auth.MESSAGE, "unauthenticated", headers=_CHALLENGE)
         elif judged.decision.status:
             status = judged.decision.status  # 413: a body over --max-body-bytes, not read (the connection closes)
@@ -156,6 +157,16 @@ class RequestPath:
                     return rest
             return self._forward(ex, rest)
         return rest
+
+    def _authenticated(self, judged: Judged, tokens: auth.BearerTokens) -> bool:
+        """The head carries a valid bearer token: by its verdict stamped with the token file's generation in
+        force, else by a full check (which stamps it when it passes; a refusal is never kept)."""
+        if judged.verified == tokens.current():
+            return True
+        if not tokens.check_http(judged.head.authorization):
+            return False
+        judged.verified = tokens.generation
+        return True
 
     def _admit(self, ex: Exchange, rest: bytes) -> bool:
         """Take an admission slot (True), or park the request until :meth:`_admitted`: what comes meanwhile is
