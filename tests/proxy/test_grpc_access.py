@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import hpack
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -27,8 +28,10 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
 from tests.proxy.conftest import RecordingModel, ServedModels
+from tests.proxy.wire import RawClient
 from tests.support.certs import CertificateAuthority, serial_of, write_atomically
 from tests.support.proxy import TRITONSHARE, ProxyProcess
+from tritonshare.proxy import http2
 
 pytestmark = pytest.mark.triton
 
@@ -486,6 +489,7 @@ def test_bearer_token_right_passes_wrong_or_missing_is_unauthenticated(
     # missing: no header and a token without "Bearer" (infer + metadata each), the two raw calls
     assert metric(samples, "tritonshare_proxy_auth_refused_total", model=own, reason="missing") == 6
     assert metric(samples, "tritonshare_proxy_auth_refused_total", model=own, reason="invalid") == 2
+    print("\n".join(line for line in proxy.log_text().splitlines() if "DBG" in line))
 
 
 def test_authorization_given_twice_is_invalid_argument_and_counted_as_bad_request(
@@ -533,6 +537,47 @@ def test_token_file_change_is_picked_up_without_restart(
         time.sleep(0.2)
     assert codes(infer_all(client, served_models.own, [3], headers=old)) == ["UNAUTHENTICATED"]
     assert "auth tokens reloaded from" in proxy.log_text()
+
+
+def _metadata_status(client: RawClient, decoder: hpack.Decoder, stream_id: int, own: str, token: str) -> str:
+    """The grpc-status of one ModelMetadata call on ``stream_id`` carrying ``token``; ``decoder`` reads every
+    header block of the connection in order (its table follows the proxy's)."""
+    message = pb.ModelMetadataRequest(name=own).SerializeToString()
+    data = http2.frame(http2.DATA, http2.END_STREAM, stream_id, b"\x00" + len(message).to_bytes(4, "big") + message)
+    path = "/inference.GRPCInferenceService/ModelMetadata"
+    client.sock.sendall(client.request(stream_id, path, extra=(("authorization", f"Bearer {token}"),)) + data)
+
+    def ended(got: list[tuple[int, int, int, bytes]]) -> bool:
+        return any(k == http2.HEADERS and f & http2.END_STREAM and s == stream_id for k, f, s, _ in got)
+
+    blocks = [
+        (sid, dict(decoder.decode(payload))) for kind, _, sid, payload in client.frames(ended) if kind == http2.HEADERS
+    ]
+    statuses = [headers.get("grpc-status") for sid, headers in blocks if sid == stream_id]
+    assert statuses and statuses[-1] is not None, f"stream {stream_id} did not end"
+    return str(statuses[-1])
+
+
+def test_a_token_revoked_by_a_reload_is_refused_on_the_next_call_of_a_repeated_header_block(
+    start_proxy: StartProxy, served_models: ServedModels, tokens: Path
+) -> None:
+    """A connection repeating its header block (the same bytes from the second call on: every field indexed)
+    opens each next stream as the last one without judging it again, token included, but only while the token
+    file is unchanged: the first call after the reload that drops the token is UNAUTHENTICATED, and so is the
+    one after it (a refusal is never kept as a pass)."""
+    proxy = start_proxy(served_models.own, "--no-unload", "--auth-token-file", str(tokens))
+    own, decoder = served_models.own, hpack.Decoder()
+    client = RawClient(proxy.grpc_port)
+    try:
+        assert [_metadata_status(client, decoder, sid, own, "token-one") for sid in (1, 3, 5, 7)] == ["0"] * 4
+        write_atomically(tokens, b"token-rotated\n")
+        time.sleep(1.3)  # the file is looked at once a second: the next call looks
+        assert [_metadata_status(client, decoder, sid, own, "token-one") for sid in (9, 11)] == ["16", "16"]
+        assert [_metadata_status(client, decoder, sid, own, "token-rotated") for sid in (13, 15, 17)] == ["0"] * 3
+    finally:
+        client.close()
+    samples = scrape(proxy)
+    assert metric(samples, "tritonshare_proxy_auth_refused_total", model=own, reason="invalid") == 2
 
 
 # ---------------------------------------------------------------------------------------------- TLS

@@ -102,10 +102,12 @@ class ClientHeaders:
         self._active = streams.active  # forwarded streams open (one dict for the table's life)
         self._new_streams = NewStreams(state, streams, answers, to_client)
         # The last new stream's header block and its rule when it was forwarded with nothing else to check (no
-        # token to check, Triton reachable, no GOAWAY sent): a client repeats the same block for every call of
-        # a method (the same object while the decoder's table is unchanged), which opens the next stream the
-        # same way, without a judgment.
+        # rate-limit token to take, Triton reachable, no GOAWAY sent): a client repeats the same block for every
+        # call of a method (the same object while the decoder's table is unchanged, so the same bearer token),
+        # which opens the next stream the same way, without a judgment. With a token file, only while the file's
+        # generation is the one the block's token was checked under (``_verified``): a reload judges it again.
         self._forwarded: tuple[HeaderBlock, GrpcRule] | None = None
+        self._verified = -1
 
     def forget_forwarded(self) -> None:
         """Judge every new stream from now on: the connection drains, or Triton cannot be reached."""
@@ -121,6 +123,7 @@ class ClientHeaders:
                 and forwarded[0] is block
                 and stream_id > self._streams.client_max
                 and len(self._active) < self._max_streams
+                and (self._auth is None or self._auth.current() == self._verified)
             ):
                 self._streams.client_max = stream_id  # a new stream opened as the last one was: forwarded
                 self._forward(stream_id, forwarded[1], block)
@@ -212,8 +215,11 @@ class ClientHeaders:
         rule = self._new_streams.judge(stream_id, block, unavailable=relay.unavailable, goaway_last=relay.goaway_last)
         if rule is None:
             return False
-        # (tokens, and a rate limit's metadata tokens, are taken for every stream: judged each time)
-        self._forwarded = None if self._auth is not None or rule.route in self._metered else (block, rule)
+        # (a rate limit's metadata tokens are taken for every stream: judged each time; a bearer token passed
+        # the judgment just now, under the token file's generation in force)
+        self._forwarded = None if rule.route in self._metered else (block, rule)
+        if self._auth is not None:
+            self._verified = self._auth.generation
         self._forward(stream_id, rule, block)
         return True
 
