@@ -206,6 +206,20 @@ async def test_a_waiting_stream_naming_another_model_is_refused_and_leaves_the_q
     assert relay.state.admission.idle
 
 
+async def test_a_stream_admitted_at_once_is_judged_as_without_admission_control() -> None:
+    """The gate follows only a stream that waits: one that takes its slot at once is judged frame by frame as
+    any stream is, a message split over frames reaching Triton whole and one naming another model refused."""
+    relay = await Relay().start()
+    await relay.send(relay.client.headers(1, "ModelInfer"), *chunks(1, BIG))
+    assert bytes(relay.at_triton()[1].data) == BIG  # type: ignore[attr-defined]
+    await relay.triton_ends(1)
+    assert relay.state.admission.idle
+    await relay.send(relay.client.headers(3, "ModelInfer"), data(3, message("other")))
+    assert relay.client_statuses()[3]["grpc-status"] == "5"  # NOT_FOUND
+    assert relay.at_triton()[3].reset_code == http2.CANCEL  # type: ignore[attr-defined]
+    assert relay.state.admission.idle  # its slot came back with the refusal
+
+
 async def test_metadata_and_readiness_never_wait() -> None:
     relay = await Relay().start()
     await relay.send(relay.client.headers(1, "ModelInfer"), data(1, message("own")))

@@ -231,9 +231,11 @@ class ClientHeaders:
             judge = self._judges.get(rule.route) or self._new_judge(rule)
         stream = self._streams.forward(stream_id, rule, judge, block.encoding)
         if self._gate is not None and rule.route in LIMITED_ROUTES:
-            if judge is not None:  # the gate counts the stream's messages: an inspector from the start
-                stream.inspector = MessageInspector(judge, encoding=block.encoding)
             self._gate.admit(stream_id, stream)
+            # A stream that waits for its slot has its messages counted by the gate: an inspector from the start
+            # (no DATA of it has come yet). One admitted at once is judged as any other, frame by frame.
+            if judge is not None and stream.ticket is not None:
+                stream.inspector = MessageInspector(judge, encoding=block.encoding)
 
     def _new_judge(self, rule: GrpcRule) -> MessageJudge:
         walker = self._walkers[rule.inspect]
