@@ -17,11 +17,14 @@ count (bench/answers.py), read before the counters are zeroed and after the dump
 admission (``--max-inflight 64``), a bearer token (``--auth-token-file``; the clients send the token) and both
 — what each costs per request.
 
+``--keep DIR`` keeps each counted window's callgrind dump there (``<target>-<protocol>.callgrind``), for
+``bench/callgrind_self.py`` to say where the instructions went, by function and by library.
+
 ``--connections 16`` drives 16 connections (streams) at once instead, the bar's other concurrency: under
 callgrind the target is the bottleneck, so each of its event-loop turns finds more ready events than at full
 speed — a lower bound on the batching the real c=16 gets, for both targets alike.
 
-usage: .venv/bin/python bench/instructions.py [--seconds 10] [--connections 1] [--features]
+usage: .venv/bin/python bench/instructions.py [--seconds 10] [--connections 1] [--features] [--keep DIR]
        (needs scripts/setup.sh --bench)
 """
 
@@ -238,10 +241,15 @@ def check_answers(label: str, before: tuple[str, str], after: tuple[str, str], c
 
 
 def count(
-    pid: int, out: Path, drive: Callable[[float], int], seconds: float, pages: Callable[[], tuple[str, str]]
+    pid: int,
+    out: Path,
+    drive: Callable[[float], int],
+    seconds: float,
+    pages: Callable[[], tuple[str, str]],
+    keep: Path | None = None,
 ) -> tuple[int, int, tuple[str, str], tuple[str, str]]:
     """(requests, instructions, metrics pages before and after) of one driven window: warm up, read the pages,
-    zero, drive, dump, read the pages (neither read is counted)."""
+    zero, drive, dump, read the pages (neither read is counted). ``keep``: where the window's dump goes."""
     drive(min(2.0, seconds))
     before = pages()
     subprocess.run(["callgrind_control", "-z", str(pid)], check=True, capture_output=True)
@@ -251,6 +259,8 @@ def count(
     dumps = sorted(out.parent.glob(out.name + ".*"), key=lambda p: p.stat().st_mtime)
     totals = re.search(r"^totals: (\d+)", dumps[-1].read_text(), re.MULTILINE)
     assert totals is not None, dumps[-1]
+    if keep is not None:
+        shutil.copyfile(dumps[-1], keep)
     for dump in dumps:
         dump.unlink()
     return served, int(totals.group(1)), before, after
@@ -261,7 +271,10 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="driven seconds per target and protocol")
     parser.add_argument("--connections", type=int, default=1, help="connections (streams) driven at once")
     parser.add_argument("--features", action="store_true", help="also the proxy with admission and a token on")
+    parser.add_argument("--keep", type=Path, help="keep each window's callgrind dump in this directory")
     args = parser.parse_args()
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
     c = args.connections
     rows: dict[tuple[str, str], float] = {}
     with tempfile.TemporaryDirectory(prefix="tritonshare-instr-") as tmp, triton(Path(tmp)) as ports:
@@ -277,11 +290,14 @@ def main() -> int:
             pages = functools.partial(metrics_pages, ports, measured)
             with under_callgrind(measured.command, out, ports) as pid:
                 for protocol, drive in drives(ports, body, c, measured.headers).items():
-                    served, instructions, before, after = count(pid, out, drive, args.seconds, pages)
+                    kept = args.keep / f"{name}-{protocol}.callgrind" if args.keep is not None else None
+                    served, instructions, before, after = count(pid, out, drive, args.seconds, pages, kept)
                     check_answers(f"{name} {protocol}", before, after, c)
                     rows[name, protocol] = instructions / served
                     per = rows[name, protocol]
                     print(f"{name} {protocol} c={c}: {served} requests, {per:,.0f} instructions/request")
+                    if kept is not None:
+                        kept.with_suffix(".served").write_text(f"{served}\n")
     print(f"\ntritonshare from {target.describe()}")
     print(f"\n| protocol (c={c}) | nginx | tritonshare | vs nginx |\n|---|---:|---:|---:|")
     for protocol in ("rest", "grpc", "stream"):
