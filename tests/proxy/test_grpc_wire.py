@@ -176,6 +176,27 @@ def test_triton_down_answers_unavailable_quickly_and_recovers(
     assert np.array_equal(result.as_numpy("OUTPUT0"), data)
 
 
+def test_triton_down_is_said_only_to_a_caller_with_a_valid_token(
+    start_proxy: StartProxy, triton: TritonServer, served_models: ServedModels, tmp_path: Path
+) -> None:
+    """Found after the connection opened, Triton down is no reason to skip the token check (REST answers 401
+    before it tries Triton): unlike a connection turned away from the start, which hears why first."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("token-one\n")
+    proxy, _, _ = behind_pipe(
+        start_proxy, triton, served_models.own, tmp_path, "--auth-token-file", str(tokens), pipe_up=False
+    )
+    data = np.arange(4, dtype=np.float32)
+    with grpcclient.InferenceServerClient(proxy.grpc_url) as client:
+        answers = []
+        for headers in (None, {"authorization": "Bearer token-one"}):
+            with pytest.raises(InferenceServerException) as info:
+                client.infer(served_models.own, [identity_input(data)], headers=headers, client_timeout=10)
+            answers.append((str(info.value.status()), str(info.value.message())))
+    assert answers[0] == ("StatusCode.UNAUTHENTICATED", "missing or invalid bearer token")
+    assert answers[1][0] == "StatusCode.UNAVAILABLE" and "Triton is not reachable" in answers[1][1]
+
+
 def test_losing_triton_mid_stream_ends_the_call_at_once(
     start_proxy: StartProxy,
     triton: TritonServer,

@@ -8,7 +8,10 @@ import json
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import cast
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -93,6 +96,39 @@ def test_a_grpc_connection_past_the_cap_is_answered_unavailable_and_takes_no_pla
     finally:
         for sock in held:
             sock.close()
+
+
+def test_a_grpc_connection_past_the_cap_is_answered_unavailable_before_its_token_is_asked_for(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels, tmp_path: Path
+) -> None:
+    """With --auth-token-file, a call without a token past the cap was answered UNAUTHENTICATED, hiding the cap
+    (REST answers the connection 503 before reading any request): the connection is turned away as a whole."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("token-one\n")
+    proxy = start_proxy(served_models.own, "--max-connections", "1", "--auth-token-file", str(tokens))
+    with _a_place_held(proxy):
+        with grpc.insecure_channel(proxy.grpc_url) as channel, pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary("/inference.GRPCInferenceService/ModelMetadata")(b"", timeout=10)
+        error = cast(grpc.Call, info.value)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "maximum of 1 client connections (--max-connections)" in (error.details() or "")
+        refusals = {"protocol": "grpc", "route": "ModelMetadata", "reason": "too_many_connections"}
+        assert _metric(proxy, "tritonshare_proxy_refusals_total", **refusals) == 1
+        assert _metric(proxy, "tritonshare_proxy_auth_refused_total") == 0
+
+
+def _a_place_held(proxy: ProxyProcess) -> socket.socket:
+    """A silent gRPC connection holding a place. The start's check that the port listens may still hold one when
+    it is accepted (then it is turned away, and the check's connection goes): another is tried."""
+    for _ in range(5):
+        sock = socket.create_connection(("127.0.0.1", proxy.grpc_port), timeout=10)
+        try:
+            _until(lambda: _metric(proxy, "tritonshare_proxy_client_connections", protocol="grpc") == 1, 2.0)
+        except AssertionError:
+            sock.close()
+            continue
+        return sock
+    raise AssertionError("no connection kept a place")
 
 
 def _infers(client: grpcclient.InferenceServerClient, model: str, inp: grpcclient.InferInput) -> bool:

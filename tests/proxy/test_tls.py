@@ -502,14 +502,23 @@ def test_a_plain_text_client_is_answered_by_the_front_end_and_tls_clients_go_on_
 LIVE = "/inference.GRPCInferenceService/ServerLive"
 
 
-@pytest.fixture
-def tls_proxy(
-    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels, ca: CertificateAuthority, tmp_path: Path
+METADATA = "/inference.GRPCInferenceService/ModelMetadata"
+
+
+def _start_tls_proxy(
+    start_proxy: Callable[..., ProxyProcess], own: str, ca: CertificateAuthority, tmp_path: Path, *extra: str
 ) -> ProxyProcess:
     folder = tmp_path / "tls"
     folder.mkdir()
     cert, key = ca.write_pair(folder, serial=8001)
-    return start_proxy(served_models.own, "--no-unload", "--tls-cert", str(cert), "--tls-key", str(key))
+    return start_proxy(own, "--no-unload", "--tls-cert", str(cert), "--tls-key", str(key), *extra)
+
+
+@pytest.fixture
+def tls_proxy(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels, ca: CertificateAuthority, tmp_path: Path
+) -> ProxyProcess:
+    return _start_tls_proxy(start_proxy, served_models.own, ca, tmp_path)
 
 
 def _plain_text_refusals(proxy: ProxyProcess) -> dict[tuple[str, str], float]:
@@ -518,6 +527,10 @@ def _plain_text_refusals(proxy: ProxyProcess) -> dict[tuple[str, str], float]:
         for name, labels, value in _samples(proxy)
         if name == "tritonshare_proxy_refusals_total" and labels["reason"] == "plain_http_on_tls"
     }
+
+
+def _auth_refusals(proxy: ProxyProcess) -> float:
+    return sum(value for name, _, value in _samples(proxy) if name == "tritonshare_proxy_auth_refused_total")
 
 
 @pytest.mark.triton
@@ -565,3 +578,32 @@ def test_an_insecure_grpc_channel_to_the_proxys_tls_port_is_told_to_use_a_secure
     with grpc.secure_channel(f"localhost:{tls_proxy.grpc_port}", credentials) as channel:
         assert channel.unary_unary(LIVE)(b"", timeout=10) == b"\x08\x01"  # live: true
     assert _plain_text_refusals(tls_proxy) == {("grpc", "ServerLive"): 1}
+
+
+@pytest.mark.triton
+def test_an_insecure_grpc_channel_is_told_to_use_a_secure_one_before_its_token_is_asked_for(
+    start_proxy: Callable[..., ProxyProcess],
+    served_models: ServedModels,
+    ca: CertificateAuthority,
+    ca_file: Path,
+    tmp_path: Path,
+) -> None:
+    """With --auth-token-file, a call without a token on an insecure channel was answered UNAUTHENTICATED: the
+    user added a token and still failed. The connection is turned away as a whole, so every call hears why first."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("token-one\n")
+    proxy = _start_tls_proxy(start_proxy, served_models.own, ca, tmp_path, "--auth-token-file", str(tokens))
+    with grpc.insecure_channel(proxy.grpc_url) as channel, pytest.raises(grpc.RpcError) as info:
+        channel.unary_unary(METADATA)(b"", timeout=10)
+    error = cast(grpc.Call, info.value)
+    assert (error.code(), error.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "this port speaks TLS: use a secure channel (grpc.secure_channel), not an insecure one",
+    )
+    assert _plain_text_refusals(proxy) == {("grpc", "ModelMetadata"): 1}
+    assert _auth_refusals(proxy) == 0
+    credentials = grpc.ssl_channel_credentials(ca_file.read_bytes())
+    with grpc.secure_channel(f"localhost:{proxy.grpc_port}", credentials) as channel:
+        with pytest.raises(grpc.RpcError) as info:  # over TLS the token is asked for, as before
+            channel.unary_unary(METADATA)(b"", timeout=10)
+        assert cast(grpc.Call, info.value).code() == grpc.StatusCode.UNAUTHENTICATED

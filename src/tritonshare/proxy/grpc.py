@@ -51,7 +51,8 @@ Access and fairness (issue 9; each off unless its option is given):
 - ``--tls-cert`` / ``--tls-key``: the listening socket speaks TLS (ALPN ``h2``), the certificate reloaded
   on change for new connections (:mod:`tritonshare.proxy.tls`); Triton is reached in plain text, on the
   node. A client speaking HTTP/2 in plain text to it (an insecure channel) has each call answered UNAVAILABLE
-  saying to use a secure channel (:mod:`tritonshare.proxy.plaintext`).
+  saying to use a secure channel (:mod:`tritonshare.proxy.plaintext`), before any check of the call (its token
+  included), as a connection past ``--max-connections`` is.
 
 Limits per client connection (what one tenant may cost the proxy and the shared Triton): a frame longer than
 Triton's SETTINGS_MAX_FRAME_SIZE (16 KiB until Triton's SETTINGS pass) is refused at its header with GOAWAY
@@ -87,7 +88,7 @@ from tritonshare.proxy.overload import Closed, has_room, over_cap_message
 from tritonshare.proxy.state import ProxyState
 from tritonshare.proxy.tls import Handshakes
 
-_PLAIN_TEXT = Unavailable(plaintext.GRPC_HINT, plaintext.REASON)
+_PLAIN_TEXT = Unavailable(plaintext.GRPC_HINT, plaintext.REASON, turned_away=True)
 
 
 class GrpcFrontend:
@@ -138,7 +139,7 @@ class GrpcFrontend:
         if tls is not None:
             self._state.metrics.refused(PROTOCOL, "connection", "too_many_connections")
             return Closed()
-        why = Unavailable(over_cap_message(self._state.own, cap), "too_many_connections")
+        why = Unavailable(over_cap_message(self._state.own, cap), "too_many_connections", turned_away=True)
         return ClientConnection(self, self._state, turned_away=why)
 
     def _plain_text(self, first: bytes) -> asyncio.Protocol | None:

@@ -53,8 +53,9 @@ class ClientConnection(asyncio.Protocol):
     """One client connection: judges its frames and forwards them to its own Triton connection."""
 
     def __init__(self, host: Host, state: ProxyState, *, turned_away: Unavailable | None = None) -> None:
-        """``turned_away``: the connection is past ``--max-connections`` (:mod:`tritonshare.proxy.overload`); it
-        answers the client's streams itself, then goes away."""
+        """``turned_away``: the connection is past ``--max-connections`` (:mod:`tritonshare.proxy.overload`) or
+        plain text on the TLS port (:mod:`tritonshare.proxy.plaintext`); it answers the client's streams itself,
+        before any check of the call, then goes away."""
         self._host = host
         self._state = state
         self.transport: asyncio.Transport | None = None

@@ -1,10 +1,12 @@
 """A new gRPC stream judged by its header block, and the verdicts the proxy answers itself acted on.
 
 The policy table (:mod:`tritonshare.proxy.policy`) judges the stream's ``:path``; before its verdict is acted
-on, a block that is malformed, one with ``authorization`` more than once (INVALID_ARGUMENT, as REST answers
-400: the token checked must be the only one, whichever a later reader takes), a caller without a valid bearer
-token (when tokens are on; the probes stay open) and an unreachable Triton each have their answer, and a drain
-one before them (only a malformed block is judged first).
+on, in order: a block that is malformed; a stream after the drain's GOAWAY; a connection turned away as a whole
+when it opened (plain text on the TLS port, past ``--max-connections``: UNAVAILABLE saying why, before any check
+of the call, as REST answers such a connection before reading a request); ``authorization`` more than once
+(INVALID_ARGUMENT, as REST answers 400: the token checked must be the only one, whichever a later reader takes);
+a caller without a valid bearer token (when tokens are on; the probes stay open); an unreachable Triton (after
+the token checks, as REST answers 401 before it tries Triton); an unknown method.
 READY and LIVE are answered with the own model's readiness and Triton's liveness as the proxy keeps them, and
 DENY refused, here; what is left goes to Triton (the relay forwards it), unless the client already has
 ``grpc_max_streams`` streams open there (REFUSED_STREAM, which clients retry).
@@ -41,14 +43,20 @@ Action = Callable[[int, GrpcRule], GrpcRule | None]
 
 
 class Unavailable(NamedTuple):
-    """Why a connection answers every new stream UNAVAILABLE itself: the message clients see, the /metrics reason."""
+    """Why a connection answers every new stream UNAVAILABLE itself: the message clients see, the /metrics reason;
+    ``turned_away``: decided when the connection opened, so no check of a call comes before it (Triton found down
+    afterwards is not: the token checks still come first)."""
 
     message: str
     reason: str
+    turned_away: bool = False
 
 
 REPEATED_AUTHORIZATION = "authorization metadata given more than once; send one bearer token"
 TRITON_DOWN = Unavailable("Triton is not reachable from the proxy; retry later", "unavailable")
+# A call's refusal by the token checks: (gRPC status, message, /metrics reason).
+_BAD_REQUEST = (GRPC_INVALID_ARGUMENT, REPEATED_AUTHORIZATION, "bad_request")
+_UNAUTHENTICATED = (GRPC_UNAUTHENTICATED, AUTH_MESSAGE, "unauthenticated")
 
 
 class NewStreams:
@@ -96,12 +104,14 @@ class NewStreams:
             self._streams.answer_locally(stream_id)
             self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
             self._state.refuse(PROTOCOL, route, "unavailable", "draining")
-        elif block.repeated_authorization:  # the token checked here and the one a later reader takes might differ
-            self._answers.refuse_new(stream_id, route, GRPC_INVALID_ARGUMENT, REPEATED_AUTHORIZATION, "bad_request")
-        elif self._auth is not None and not self._authenticated(rule, block):
-            self._answers.refuse_new(stream_id, route, GRPC_UNAUTHENTICATED, AUTH_MESSAGE, "unauthenticated")
-        elif unavailable is not None:
-            self._answers.refuse_new(stream_id, route, GRPC_UNAVAILABLE, unavailable.message, unavailable.reason)
+        elif unavailable is not None:  # no stream goes to Triton
+            refusal = None if unavailable.turned_away else self._token_refusal(rule, block)
+            if refusal is None:
+                refusal = (GRPC_UNAVAILABLE, unavailable.message, unavailable.reason)
+            self._answers.refuse_new(stream_id, route, *refusal)
+        # (the guard spares a forwarded call the method call when neither token check applies)
+        elif (block.repeated_authorization or self._auth is not None) and (refusal := self._token_refusal(rule, block)):
+            self._answers.refuse_new(stream_id, route, *refusal)
         elif rule is None:
             shown = clip_path((block.path or b"").decode("utf-8", errors="replace"))
             self._answers.refuse_new(
@@ -111,13 +121,17 @@ class NewStreams:
             return self._actions[rule.verdict](stream_id, rule)
         return None
 
-    def _authenticated(self, rule: GrpcRule | None, block: HeaderBlock) -> bool:
-        """Probes are open; everything else needs a valid bearer token (checked before the verdict is acted
-        on, so a caller without one learns nothing about methods)."""
-        assert self._auth is not None
-        if rule is not None and rule.route in OPEN_GRPC_ROUTES:
-            return True
-        return self._auth.check_grpc(block.authorization)
+    def _token_refusal(self, rule: GrpcRule | None, block: HeaderBlock) -> tuple[int, str, str] | None:
+        """Why the call is refused by the token checks, if it is: ``authorization`` more than once (the token
+        checked here and the one a later reader takes might differ); with tokens on, no valid bearer token —
+        probes are open, and it is checked before the verdict is acted on, so a caller without one learns
+        nothing about methods."""
+        if block.repeated_authorization:
+            return _BAD_REQUEST
+        auth = self._auth
+        if auth is None or (rule is not None and rule.route in OPEN_GRPC_ROUTES):
+            return None
+        return None if auth.check_grpc(block.authorization) else _UNAUTHENTICATED
 
     def _forwarded(self, stream_id: int, rule: GrpcRule) -> GrpcRule | None:
         """A stream for Triton, unless the client already has as many open there as the proxy advertises
