@@ -607,3 +607,20 @@ def test_an_insecure_grpc_channel_is_told_to_use_a_secure_one_before_its_token_i
         with pytest.raises(grpc.RpcError) as info:  # over TLS the token is asked for, as before
             channel.unary_unary(METADATA)(b"", timeout=10)
         assert cast(grpc.Call, info.value).code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.triton
+def test_plain_http_to_the_proxys_grpc_tls_port_gets_400_saying_it_speaks_grpc_over_tls(
+    tls_proxy: ProxyProcess, ca_file: Path
+) -> None:
+    """What `curl http://host:grpcport/` shows (it was "Empty reply from server"), counted as REST's is; the port
+    goes on serving secure channels."""
+    answer = _plain(tls_proxy.grpc_port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"HTTP/1.1 400 Bad Request" and b"Connection: close" in lines, answer
+    assert json.loads(body) == {"error": "this port speaks gRPC over TLS: use a secure gRPC channel (not plain HTTP)"}
+    assert _plain_text_refusals(tls_proxy) == {("grpc", "connection"): 1}
+    credentials = grpc.ssl_channel_credentials(ca_file.read_bytes())
+    with grpc.secure_channel(f"localhost:{tls_proxy.grpc_port}", credentials) as channel:
+        assert channel.unary_unary(LIVE)(b"", timeout=10) == b"\x08\x01"  # live: true

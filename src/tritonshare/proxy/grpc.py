@@ -145,11 +145,12 @@ class GrpcFrontend:
     def _plain_text(self, first: bytes) -> asyncio.Protocol | None:
         """A connection to the TLS port whose first bytes are not TLS: HTTP/2 in plain text (an insecure channel)
         is answered as a connection turned away, each stream UNAVAILABLE saying why (a GOAWAY at once, before
-        any stream, would show grpcio users "Deadline Exceeded" after it reconnected in a loop); other bytes are
-        left to TLS, which closes the connection (:mod:`tritonshare.proxy.plaintext`)."""
-        if not plaintext.looks_like_h2c(first):
-            return None
-        return ClientConnection(self, self._state, turned_away=_PLAIN_TEXT)
+        any stream, would show grpcio users "Deadline Exceeded" after it reconnected in a loop); a plain HTTP/1.x
+        request (curl http://) gets 400 saying the port speaks gRPC over TLS, as REST's port answers it; other
+        bytes are left to TLS, which closes the connection (:mod:`tritonshare.proxy.plaintext`)."""
+        if plaintext.looks_like_h2c(first):  # first: its "PRI * HTTP/2.0" line starts like HTTP/1.x too
+            return ClientConnection(self, self._state, turned_away=_PLAIN_TEXT)
+        return plaintext.answer_http1(first, plaintext.GRPC_PORT_ANSWER, self._state.metrics, PROTOCOL)
 
     def begin_drain(self) -> None:
         self.draining = True

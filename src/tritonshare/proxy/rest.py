@@ -239,10 +239,7 @@ class RestFrontend:
     def _plain_text(self, first: bytes) -> asyncio.Protocol | None:
         """A connection to the TLS port whose first bytes are not TLS: a plain HTTP request gets 400 saying so
         (:mod:`tritonshare.proxy.plaintext`); other bytes are left to TLS, which closes the connection."""
-        if not plaintext.looks_like_http1(first):
-            return None
-        self.state.metrics.refused(PROTOCOL, "connection", plaintext.REASON)
-        return TurnedAway(plaintext.REST_ANSWER)
+        return plaintext.answer_http1(first, plaintext.REST_ANSWER, self.state.metrics, PROTOCOL)
 
     def begin_drain(self) -> None:
         for connection in list(self.connections):
