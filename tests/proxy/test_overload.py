@@ -118,17 +118,10 @@ def test_a_grpc_connection_past_the_cap_is_answered_unavailable_before_its_token
 
 
 def _a_place_held(proxy: ProxyProcess) -> socket.socket:
-    """A silent gRPC connection holding a place. The start's check that the port listens may still hold one when
-    it is accepted (then it is turned away, and the check's connection goes): another is tried."""
-    for _ in range(5):
-        sock = socket.create_connection(("127.0.0.1", proxy.grpc_port), timeout=10)
-        try:
-            _until(lambda: _metric(proxy, "tritonshare_proxy_client_connections", protocol="grpc") == 1, 2.0)
-        except AssertionError:
-            sock.close()
-            continue
-        return sock
-    raise AssertionError("no connection kept a place")
+    """A silent gRPC connection holding a place, once the proxy counts it."""
+    sock = socket.create_connection(("127.0.0.1", proxy.grpc_port), timeout=10)
+    _until(lambda: _metric(proxy, "tritonshare_proxy_client_connections", protocol="grpc") == 1, 5.0)
+    return sock
 
 
 def _infers(client: grpcclient.InferenceServerClient, model: str, inp: grpcclient.InferInput) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,8 +49,9 @@ class ProxyProcess:
         return self.process.pid
 
     def start(self, attempt: int = 1) -> ProxyProcess:
-        """Run the proxy and wait until it listens on its three ports; a port taken by another process between
-        :func:`free_port` and the proxy's bind (the proxy exits 2, "cannot listen on") is retried on new ports."""
+        """Run the proxy and wait until it listens on its three ports (:func:`_listening_ports`); a port taken by
+        another process between :func:`free_port` and the proxy's bind (the proxy exits 2, "cannot listen on") is
+        retried on new ports."""
         cmd = [
             TRITONSHARE,
             "proxy",
@@ -84,7 +84,7 @@ class ProxyProcess:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 15
-        while not all(_listens(port) for port in (self.http_port, self.grpc_port, self.metrics_port)):
+        while not {self.http_port, self.grpc_port, self.metrics_port} <= _listening_ports(self.process.pid):
             if self.process.poll() is not None:
                 said = self.log_path.read_bytes()[logged:].decode(errors="replace")
                 if "cannot listen on" in said and attempt < 3:  # another process took a port free_port gave
@@ -115,9 +115,24 @@ class ProxyProcess:
         return self.log_path.read_text(errors="replace")
 
 
-def _listens(port: int) -> bool:
+_LISTEN = "0A"  # TCP_LISTEN, as /proc/net/tcp shows a socket's state
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on, read from the kernel's tables rather than by connecting: a test
+    connection would hold one of the proxy's places until the proxy saw it close (a test of ``--max-connections``
+    must find every place free), and a port another process took would pass for the proxy's."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
+        links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+    except (FileNotFoundError, ProcessLookupError):  # (it exited; the caller finds out)
+        return set()
+    inodes = {link[len("socket:[") : -1] for link in links if link.startswith("socket:[")}
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            next(rows)  # the column names
+            for row in rows:
+                fields = row.split()
+                if fields[3] == _LISTEN and fields[9] in inodes:
+                    ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports
