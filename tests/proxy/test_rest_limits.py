@@ -130,6 +130,16 @@ def test_a_head_of_exactly_max_header_bytes_is_served_and_one_byte_more_is_431(p
         assert error_of(body) == f"request head larger than {limit} bytes"
 
 
+@pytest.mark.timeout(30)  # a head kept waiting for its end would wait here for ever
+def test_a_head_that_never_ends_is_431_once_past_max_header_bytes_and_its_blank_line(proxy: ProxyProcess) -> None:
+    limit = ProxySettings.max_header_bytes
+    with Raw(proxy.http_port) as conn:
+        status, headers, body = conn.send(_probe_head_of(limit + 4)).response()  # no blank line, ever
+        assert status == 431 and headers["connection"] == "close"
+        assert error_of(body) == f"request head larger than {limit} bytes"
+        assert conn.closed_by_peer()
+
+
 def test_an_upload_held_for_its_check_at_sigterm_is_completed(
     start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
 ) -> None:
