@@ -265,6 +265,18 @@ def test_http10_client_gets_its_answer_and_a_close(port: int, own: str) -> None:
         assert raw.closed_by_peer()
 
 
+@pytest.mark.timeout(30)  # a connection left open would be read here until the socket times out
+@pytest.mark.parametrize("version", ["HTTP/1.0", "HTTP/1.1\r\nConnection: close"])
+def test_a_refused_request_that_asked_for_a_close_is_answered_and_closed(
+    port: int, served_models: ServedModels, version: str
+) -> None:
+    """A client reading its answer to the end of the connection (HTTP/1.0) waits for that close."""
+    with Raw(port) as raw:
+        status, headers, _ = raw.send(f"GET /v2/models/{served_models.other} {version}\r\n\r\n".encode()).response()
+        assert status == 404 and headers["connection"] == "close"
+        assert raw.closed_by_peer()
+
+
 SLOW_STREAM_CONFIG = """\
 backend: "python"
 max_batch_size: 0
