@@ -650,6 +650,9 @@ class LocalRest:
         self.run(self._stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        # A loop still running (stuck busy) is not closed: uvloop's close would hang the whole test run there, out
+        # of the per-test timeout's reach.
+        assert not self.thread.is_alive(), "the front end's event loop did not stop within 10 s"
         self.loop.close()
 
     async def _start(self) -> tuple[ProxyState, RestFrontend]:
