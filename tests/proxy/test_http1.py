@@ -44,6 +44,10 @@ def test_a_plain_request_head_is_read() -> None:
         (["GET /v2 HTTP/0.9"], 400, "request line"),
         (["GET /v2#frag HTTP/1.1"], 400, "request line"),
         (["GET /v2\x00 HTTP/1.1"], 400, "request line"),
+        (["GET /v2/models/own\\..\\other HTTP/1.1"], 400, "request line"),  # no pchar: read as '/' by some
+        (["GET /v2 HTTP/1.1", "X-A: a\nX-B: b"], 400, "header line"),  # a bare LF ends a line for some parsers
+        (["GET /v2 HTTP/1.1", "X-A: a\x0bb"], 400, "header line"),  # VT and FF are whitespace for some
+        (["GET /v2 HTTP/1.1", "X-A: a\x0cb"], 400, "header line"),
         (["GET /v2 HTTP/1.1", "X-A: 1", " folded"], 400, "folding"),
         (["GET /v2 HTTP/1.1", "X-A: 1", "\tfolded"], 400, "folding"),
         (["GET /v2 HTTP/1.1", "Bad Name: 1"], 400, "header line"),
@@ -58,6 +62,7 @@ def test_a_plain_request_head_is_read() -> None:
         (["POST /v2 HTTP/1.1", "Content-Length: 3, 3"], 400, "not a number"),
         (["POST /v2 HTTP/1.1", "Content-Length: -1"], 400, "not a number"),
         (["POST /v2 HTTP/1.1", "Content-Length: +3"], 400, "not a number"),
+        (["POST /v2 HTTP/1.1", "Content-Length: 1" + "0" * 18], 400, "not a number"),  # 19 digits: past int64
         (["POST /v2 HTTP/1.1", "Transfer-Encoding: gzip, chunked"], 400, "only chunked"),
         (["POST /v2 HTTP/1.1", "Transfer-Encoding: identity"], 400, "only chunked"),
         (["POST /v2 HTTP/1.0", "Transfer-Encoding: chunked"], 400, "only chunked"),
@@ -71,6 +76,7 @@ def test_a_plain_request_head_is_read() -> None:
             "more than once",
         ),
         (["POST /v2 HTTP/1.1", "Inference-Header-Content-Length: 0x10"], 400, "not a number"),
+        (["POST /v2 HTTP/1.1", "Inference-Header-Content-Length: 1" + "0" * 18], 400, "not a number"),
         (["POST /v2 HTTP/1.1", "Expect: something-else"], 417, "100-continue"),
     ],
 )
@@ -105,6 +111,13 @@ def test_a_header_name_or_value_longer_than_tritons_limit_is_431(line: str, refu
     assert caught.value.message.endswith(f"its name or value is longer than {MAX_FIELD_BYTES} bytes (Triton's limit)")
 
 
+def test_the_largest_lengths_taken_have_18_digits() -> None:
+    head = parse_request_head(
+        _head("POST /v2 HTTP/1.1", "Content-Length: " + "9" * 18, "Inference-Header-Content-Length: " + "9" * 18)
+    )
+    assert head.content_length == head.inference_header_length == 10**18 - 1
+
+
 def test_chunked_http11_request() -> None:
     head = parse_request_head(_head("POST /v2 HTTP/1.1", "Transfer-Encoding: Chunked"))
     assert head.chunked and head.content_length is None and head.has_body
@@ -127,6 +140,7 @@ def test_hop_by_hop_connection_named_and_stripped_headers_are_not_forwarded() ->
             "Keep-Alive: timeout=5",
             "TE: trailers",
             "Upgrade: h2c",
+            "Trailer: X-T",
             "Proxy-Authorization: secret",
             "Expect: 100-continue",
             "Triton-Restricted: key",
@@ -150,6 +164,7 @@ def test_hop_by_hop_connection_named_and_stripped_headers_are_not_forwarded() ->
     [
         ("Content-Length: 4", b"Content-Length: 4"),
         ("content-length:   004 ", b"Content-Length: 4"),
+        ("Content-Length:\t4\t", b"Content-Length: 4"),  # tabs around a value are whitespace too
         ("Transfer-Encoding: chunked", b"Transfer-Encoding: chunked"),
         ("transfer-encoding: Chunked", b"Transfer-Encoding: chunked"),
     ],
@@ -218,19 +233,31 @@ def test_chunked_reader_finds_payload_and_end_across_any_split(pieces: list[byte
 
 
 @pytest.mark.parametrize(
-    "wire",
+    ("wire", "words"),
     [
-        b"3\r\nabcX\r\n0\r\n\r\n",  # data not followed by CRLF
-        b"g\r\nabc\r\n0\r\n\r\n",  # not hex
-        b"3\nabc\r\n0\r\n\r\n",  # bare LF
-        b" 3\r\nabc\r\n0\r\n\r\n",
-        b"1" * 5000,  # endless size line
+        (b"3\r\nabcX\r\n0\r\n\r\n", "not followed by CRLF"),
+        (b"3\r\nabcXY0\r\n\r\n", "not followed by CRLF"),  # two bytes, but not CRLF
+        (b"g\r\nabc\r\n0\r\n\r\n", "malformed chunk-size"),  # not hex
+        (b"3\nabc\r\n0\r\n\r\n", "not ended by CRLF"),  # bare LF
+        (b"3;x\nabc\r\n0\r\n\r\n", "not ended by CRLF"),
+        (b" 3\r\nabc\r\n0\r\n\r\n", "malformed chunk-size"),
+        (b"1" + b"0" * 15 + b"\r\n", "malformed chunk-size"),  # 16 hex digits: 2**60, past any body
+        (b"1" * 5000, "too long"),  # endless size line
+        (b"0\r\n" + (b"X-T: " + b"a" * 4000 + b"\r\n") * 17 + b"\r\n", "trailers too large"),  # 68,085 bytes
+        (b"0\r\nX-T: a\rb\r\n\r\n", "malformed"),  # a bare CR in a trailer
     ],
 )
-def test_chunked_reader_rejects_malformed_framing(wire: bytes) -> None:
+def test_chunked_reader_rejects_malformed_framing(wire: bytes, words: str) -> None:
     with pytest.raises(HttpError) as caught:
         ChunkedReader(400).feed(wire)
-    assert caught.value.status == 400
+    assert caught.value.status == 400 and words in caught.value.message
+
+
+def test_chunked_reader_takes_a_15_digit_chunk_size() -> None:
+    wire = b"0" * 14 + b"3\r\nabc\r\n0\r\n\r\n"
+    payload: list[memoryview] = []
+    assert ChunkedReader().feed(wire + b"NEXT", 0, payload) == len(wire)
+    assert b"".join(bytes(p) for p in payload) == b"abc"
 
 
 def test_response_reader_passes_bytes_through_and_finds_the_end() -> None:

@@ -208,6 +208,23 @@ def test_keep_alive_connection_serves_many_requests_and_pipelining_keeps_order(p
             assert raw.response()[0] == 200
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("probe", ["/v2/health/ready", "/v2/health/live"])
+def test_a_probe_body_is_read_and_dropped_never_taken_for_a_request(
+    port: int, own: str, probe: str, chunked: bool
+) -> None:
+    """The proxy answers probes itself; a body sent with one is still its body, so a request in it is not run."""
+    inner = f"GET /v2/models/{own} HTTP/1.1\r\nHost: x\r\n\r\n".encode()  # 200 with a JSON body, if run
+    if chunked:
+        framing, body = "Transfer-Encoding: chunked", b"%x\r\n%s\r\n0\r\n\r\n" % (len(inner), inner)
+    else:
+        framing, body = f"Content-Length: {len(inner)}", inner
+    with Raw(port) as raw:
+        raw.send(f"GET {probe} HTTP/1.1\r\nHost: x\r\n{framing}\r\n\r\n".encode() + body)
+        raw.send(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert [raw.response()[::2] for _ in range(2)] == [(200, b""), (200, b"")]
+
+
 def test_chunked_request_body_and_expect_continue(port: int, own: str) -> None:
     body = infer_body([3.0, 4.0])
     head = f"POST /v2/models/{own}/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
@@ -224,10 +241,39 @@ def test_chunked_request_body_and_expect_continue(port: int, own: str) -> None:
         assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [3.0, 4.0]
 
 
+@pytest.mark.timeout(30)  # a connection left open waits for a body that may never come: fail in seconds
+@pytest.mark.parametrize("path", ["/v2/models/OTHER/infer", "/v2/repository/models/OTHER/unload"])
+def test_a_refused_request_that_expected_100_continue_is_answered_and_closed(
+    port: int, served_models: ServedModels, path: str
+) -> None:
+    """Refused before its body: the client may or may not send it now, so only a close says where the next
+    request would begin (the bytes it sends next are never read as a request)."""
+    head = (
+        f"POST {path.replace('OTHER', served_models.other)} HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+        "Content-Length: 38\r\n\r\n"
+    ).encode()
+    with Raw(port) as raw:
+        status, headers, body = raw.send(head).response()
+        assert status in (403, 404) and headers["connection"] == "close" and error_of(body)
+        assert raw.closed_by_peer()
+
+
 def test_http10_client_gets_its_answer_and_a_close(port: int, own: str) -> None:
     with Raw(port) as raw:
         status, headers, body = raw.send(f"GET /v2/models/{own}/ready HTTP/1.0\r\n\r\n".encode()).response()
         assert status == 200 and headers["connection"] == "close"
+        assert raw.closed_by_peer()
+
+
+@pytest.mark.timeout(30)  # a connection left open would be read here until the socket times out
+@pytest.mark.parametrize("version", ["HTTP/1.0", "HTTP/1.1\r\nConnection: close"])
+def test_a_refused_request_that_asked_for_a_close_is_answered_and_closed(
+    port: int, served_models: ServedModels, version: str
+) -> None:
+    """A client reading its answer to the end of the connection (HTTP/1.0) waits for that close."""
+    with Raw(port) as raw:
+        status, headers, _ = raw.send(f"GET /v2/models/{served_models.other} {version}\r\n\r\n".encode()).response()
+        assert status == 404 and headers["connection"] == "close"
         assert raw.closed_by_peer()
 
 
@@ -604,6 +650,9 @@ class LocalRest:
         self.run(self._stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+        # A loop still running (stuck busy) is not closed: uvloop's close would hang the whole test run there, out
+        # of the per-test timeout's reach.
+        assert not self.thread.is_alive(), "the front end's event loop did not stop within 10 s"
         self.loop.close()
 
     async def _start(self) -> tuple[ProxyState, RestFrontend]:

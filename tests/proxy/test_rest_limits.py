@@ -103,6 +103,43 @@ def test_a_header_longer_than_triton_takes_is_431_not_a_502(proxy: ProxyProcess,
     assert "answering 503" not in proxy.log_text()
 
 
+def _probe_head_of(size: int) -> bytes:
+    """A readiness probe whose head (request line and header lines, before the blank line) is ``size`` bytes."""
+    head = b"GET /v2/health/live HTTP/1.1\r\nHost: x"
+    while len(head) < size:
+        line = b"\r\nX-Pad: "
+        head += line + b"a" * min(8000, size - len(head) - len(line))
+    assert len(head) == size
+    return head
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("split", [0, 1, 2, 3], ids=["whole", "blank-line-split-1", "split-2", "split-3"])
+def test_a_head_of_exactly_max_header_bytes_is_served_and_one_byte_more_is_431(proxy: ProxyProcess, split: int) -> None:
+    """Regression (split): a head of exactly the limit whose blank line came in two reads was 431 — what came
+    before the blank line's last bytes was held to the head's limit, blank line included."""
+    limit = ProxySettings.max_header_bytes
+    head = _probe_head_of(limit) + b"\r\n\r\n"
+    with Raw(proxy.http_port) as conn:
+        if split:
+            conn.send(head[:-split])
+            time.sleep(0.3)  # read by the proxy on its own
+        assert conn.send(head[len(head) - split if split else 0 :]).response()[0] == 200
+        status, headers, body = conn.send(_probe_head_of(limit + 1) + b"\r\n\r\n").response()
+        assert status == 431 and headers["connection"] == "close"
+        assert error_of(body) == f"request head larger than {limit} bytes"
+
+
+@pytest.mark.timeout(30)  # a head kept waiting for its end would wait here for ever
+def test_a_head_that_never_ends_is_431_once_past_max_header_bytes_and_its_blank_line(proxy: ProxyProcess) -> None:
+    limit = ProxySettings.max_header_bytes
+    with Raw(proxy.http_port) as conn:
+        status, headers, body = conn.send(_probe_head_of(limit + 4)).response()  # no blank line, ever
+        assert status == 431 and headers["connection"] == "close"
+        assert error_of(body) == f"request head larger than {limit} bytes"
+        assert conn.closed_by_peer()
+
+
 def test_an_upload_held_for_its_check_at_sigterm_is_completed(
     start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
 ) -> None:

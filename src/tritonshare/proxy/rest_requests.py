@@ -123,7 +123,8 @@ class RequestPath:
                 self._fail(exc)
                 return b""
             return self._start(judged, rest)
-        if found or len(data) > limit:
+        # Without its blank line, up to 3 bytes of it may have come: a head of ``limit`` bytes is waited for
+        if found or len(data) > limit + 3:
             self._fail(HttpError(431, f"request head larger than {limit} bytes", "too_large"))
         else:
             self.buf = data
