@@ -243,6 +243,8 @@ def test_chunked_reader_finds_payload_and_end_across_any_split(pieces: list[byte
         (b" 3\r\nabc\r\n0\r\n\r\n", "malformed chunk-size"),
         (b"1" + b"0" * 15 + b"\r\n", "malformed chunk-size"),  # 16 hex digits: 2**60, past any body
         (b"1" * 5000, "too long"),  # endless size line
+        (b"3;" + b"e" * 5000 + b"\r\nabc\r\n0\r\n\r\n", "too long"),  # a size line too long, whole in one read
+        (b"0\r\nX-T: " + b"a" * 5000 + b"\r\n\r\n", "too long"),  # a trailer line too long, whole in one read
         (b"0\r\n" + (b"X-T: " + b"a" * 4000 + b"\r\n") * 17 + b"\r\n", "trailers too large"),  # 68,085 bytes
         (b"0\r\nX-T: a\rb\r\n\r\n", "malformed"),  # a bare CR in a trailer
     ],

@@ -474,6 +474,8 @@ class ChunkedReader:
             return len(data)
         line = self._line + data[pos:newline]
         self._line = b""
+        if len(line) > _MAX_LINE:  # whether it came in one read or several
+            raise HttpError(self._error_status, "chunked body: chunk-size or trailer line too long")
         if not line.endswith(b"\r"):
             raise HttpError(self._error_status, "chunked body: line not ended by CRLF")
         line = line[:-1]
