@@ -211,6 +211,37 @@ def test_what_reaches_triton_and_what_the_client_gets() -> None:
     assert credits == [5, len(message("other")), 5]  # dropped DATA is credited back to the client
 
 
+def bidi(*models: str) -> list[bytes]:
+    """A ModelStreamInfer stream (id 1) whose messages, one a read, name ``models`` (same-length tensors of other
+    contents each), after the preface and the headers in a read of their own."""
+    opening = http2.PREFACE + http2.settings({}) + Client().headers(1, "ModelStreamInfer")
+    return [opening, *(data(1, message(m, bytes([i]) * 64), end=False) for i, m in enumerate(models))]
+
+
+def until_reset(to_triton: bytes, stream_id: int) -> tuple[bytes, bool]:
+    """The DATA payload Triton got on a stream before the proxy reset it, and whether it did."""
+    got = b""
+    for kind, _, sid, payload in frames(to_triton[len(http2.PREFACE) :]):
+        if sid == stream_id and kind == http2.RST_STREAM:
+            return got, True
+        if sid == stream_id and kind == http2.DATA:
+            got += payload
+    return got, False
+
+
+@pytest.mark.parametrize("other", ["owx", "other"])  # a name as long as the own one, and one that is not
+def test_a_stream_repeating_its_messages_shape_is_judged_on_every_message(other: str) -> None:
+    """Past the first message, a read repeating the last one's shape takes the proxy's short path: it must pass
+    what the full judgment passes, whatever the tensor's bytes, and refuse another model's name; the same bytes
+    in one read, judged by the full path, give Triton and the client the same."""
+    reads = bidi("own", "own", "own", other, "own")
+    to_triton, to_client, _ = asyncio.run(relay(reads))
+    assert until_reset(to_triton, 1) == (b"".join(message("own", bytes([i]) * 64) for i in range(3)), True)
+    statuses = {sid: p for kind, _, sid, p in frames(to_client) if kind == http2.HEADERS}
+    assert dict(hpack.Decoder().decode(statuses[1]))["grpc-status"] == "5"  # NOT_FOUND
+    assert asyncio.run(relay([reads[0], b"".join(reads[1:])]))[:2] == (to_triton, to_client)
+
+
 @settings(max_examples=60, deadline=None)
 @given(cuts=st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=12), early=st.integers(0, 3))
 def test_client_side_output_does_not_depend_on_read_boundaries(cuts: list[int], early: int) -> None:

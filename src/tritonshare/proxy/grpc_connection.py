@@ -85,6 +85,10 @@ class ClientConnection(asyncio.Protocol):
                 refuse=self._answers.refuse_forwarded,
             )
         self.reset_streams = self._streams.reset  # read by the Triton side for every frame
+        # The last read that was one DATA frame holding one whole message, passed on a stream judged frame by frame:
+        # (its bytes up to the end of what its judgment read, its length, its stream id, its stream). A read that
+        # repeats them, on that stream still so judged, is the same judgment (see _repeats).
+        self._same: tuple[bytes, int, int, Stream] | None = None
         self._goaway_last: int | None = None
         self._headers = ClientHeaders(self, state, self._streams, self._answers, self._gate, self._to_client)
         self._control = ControlFrames(
@@ -229,6 +233,12 @@ class ClientConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._opening is None and not self._partial and not self._unavailable:
+            same = self._same
+            if same is not None and len(data) == same[1] and data.startswith(same[0]) and self._repeats(same):
+                upstream = self._upstream  # the next message of a stream, as the last one (bidi streaming)
+                if upstream is not None and upstream.transport is not None and not upstream.transport.is_closing():
+                    upstream.transport.write(data)
+                return
             try:  # the common case: Triton's connection is open, no frame left over from the last read
                 self._relay_frames(data, 0)
             except (http2.FrameError, HpackError) as exc:
@@ -242,6 +252,20 @@ class ClientConnection(asyncio.Protocol):
                 self._pause_client(_HELD_FULL, True)
             return
         self._relay(data)
+
+    def _repeats(self, same: tuple[bytes, int, int, Stream]) -> bool:
+        """A read of the same bytes as ``same`` up to the end of what judged it, and as long, is judged as it was
+        while its stream is still open and judged frame by frame (no inspector following it, not waiting for an
+        admission slot) and no header block is open: one DATA frame, its header the same (stream, length, flags:
+        neither padded nor ending the stream), one uncompressed message of the same length whose fields up to its
+        last one's value are the same bytes (:meth:`MessageJudge.repeatable`)."""
+        stream = same[3]
+        return (
+            self._active.get(same[2]) is stream
+            and stream.inspector is None
+            and stream.ticket is None
+            and self._handlers is self._frame_handlers
+        )
 
     def _first_bytes(self, opening: UpstreamOpening) -> None:
         """The client spoke: Triton's connection opens, and the connection is closed once idle for long."""
@@ -396,6 +420,9 @@ class ClientConnection(asyncio.Protocol):
         else:  # while every message lay whole in its frame, they are judged with no state of the stream's
             rest = stream.judge.whole(data, pos + _HEADER_SIZE, stop)
             if rest == stop:
+                if pos == 0 and stop == len(data) and not flags & http2.END_STREAM:  # the read was this frame
+                    decided = stream.judge.repeatable(data, _HEADER_SIZE, stop)
+                    self._same = (data[:decided], stop, stream_id, stream) if decided > 0 else None
                 return None
             refusal = rest if isinstance(rest, Refusal) else self._inspect_from(stream, data, rest, stop)
         if refusal is None:

@@ -103,6 +103,16 @@ class MessageJudge:
             return _malformed(exc)
         return pos
 
+    def repeatable(self, buf: bytes, pos: int, end: int) -> int:
+        """Where the bytes that decide the judgment of ``buf[pos:end]`` end, when it is exactly one uncompressed
+        message, passed, of the shape the walker remembers: any message that starts with ``buf[pos:]`` up to
+        there and is as long is passed too, whatever its last field's value. -1 otherwise."""
+        accept = self.accept
+        if accept is None or end - pos < 5 or buf[pos] or pos + 5 + _U32.unpack_from(buf, pos + 1)[0] != end:
+            return -1
+        length = self.walker.shape(buf, pos + 5, end, accept)
+        return pos + 5 + length if length >= 0 else -1
+
     def verdict(self, name: bytes, result: WalkResult | None) -> Refusal | None:
         """The refusal of a message naming ``name`` with the rest of its walk (None: nothing but the name to
         judge), if it is refused."""

@@ -289,6 +289,15 @@ class MessageWalker:
         self._rest = -1  # its value's length (-1: nothing remembered)
         self._name = b""  # the model name the leading fields hold
 
+    def shape(self, buf: bytes, pos: int, end: int, name: bytes) -> int:
+        """The length of the remembered leading fields and last field's header when the message ``buf[pos:end]``
+        is of the remembered shape and they name ``name`` — every message with those bytes there and as long
+        walks as ``(name, None)`` —, else -1."""
+        prefix = self._prefix
+        if self._rest < 0 or self._name != name or pos + len(prefix) + self._rest != end:
+            return -1
+        return len(prefix) if buf.startswith(prefix, pos, end) else -1
+
     def walk(self, buf: bytes, pos: int, end: int) -> tuple[bytes, WalkResult | None]:
         prefix = self._prefix
         if not buf.startswith(prefix, pos, end):  # (b"", when nothing is remembered, always matches)
