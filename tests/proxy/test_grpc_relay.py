@@ -529,3 +529,16 @@ def test_an_unreachable_triton_is_logged_once_per_outage_and_counted_per_connect
     )
     silent = "Triton gRPC at 127.0.0.1:1 is unreachable (connect timeout): answering UNAVAILABLE until it is back"
     assert said == [down, "Triton gRPC at 127.0.0.1:1 is reachable again", silent]
+
+
+def test_tritons_frames_on_a_stream_the_proxy_reset_do_not_reach_the_client() -> None:
+    """Triton may send on a stream before it sees the proxy's RST_STREAM: the client, answered by the proxy
+    already, gets none of it, while what passes as it is (a connection's WINDOW_UPDATE) still does."""
+
+    def triton_answers_late(_: ClientConnection, upstream: UpstreamConnection) -> None:
+        upstream.data_received(data(1, message("own"), end=False) + http2.window_update(0, 10))
+
+    _, to_client, _ = asyncio.run(relay(bidi("own", "other"), triton_answers_late))
+    got = [(kind, sid) for kind, _, sid, _ in frames(to_client)]
+    assert (http2.DATA, 1) not in got
+    assert got[-1] == (http2.WINDOW_UPDATE, 0)

@@ -101,6 +101,15 @@ class UpstreamConnection(asyncio.Protocol):
     # ---------------------------------------------------------------------------------- reading
 
     def data_received(self, data: bytes) -> None:
+        if not (self._head or self._left or self._queued or self._reset) and _passes_whole(data):
+            if not self._client.is_closing():  # (a streaming reply, or Triton's window updates)
+                self._client.write(data)
+            return
+        self._relay(data)
+
+    def _relay(self, data: bytes) -> None:
+        """Pass Triton's frames on, looking at those the proxy must see (a stream's end, header blocks, frames of
+        streams it reset) and slipping its own frames in between."""
         if self._head:
             data, self._head = self._head + data, b""
         chunks: list[bytes | memoryview] = []
@@ -283,3 +292,18 @@ def _fragment(frame: bytes) -> bytes | memoryview:
     _, kind, flags, _ = http2.parse_header(frame, 0)
     payload = memoryview(frame)[http2.HEADER_SIZE :]
     return http2.header_block_fragment(flags, payload) if kind == http2.HEADERS else payload
+
+
+def _passes_whole(data: bytes) -> bool:
+    """Whether a read, starting at a frame's start with nothing of the proxy's waiting to go in between, is
+    whole frames that pass as they are without a look at their streams: WINDOW_UPDATE, and DATA not ending its
+    stream. (:meth:`UpstreamConnection.data_received`'s loop passes these the same way, one by one.)"""
+    pos, end = 0, len(data)
+    while pos < end:
+        if end - pos < _HEADER_SIZE:
+            return False
+        high, low, kind, flags, _ = _FRAME_HEADER.unpack_from(data, pos)
+        if not (kind == _WINDOW_UPDATE or kind == _DATA and not flags & _END_STREAM):
+            return False
+        pos += _HEADER_SIZE + (high << 16 | low)
+    return pos == end
