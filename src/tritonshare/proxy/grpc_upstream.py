@@ -101,7 +101,12 @@ class UpstreamConnection(asyncio.Protocol):
     # ---------------------------------------------------------------------------------- reading
 
     def data_received(self, data: bytes) -> None:
-        if not (self._head or self._left or self._queued or self._reset) and _passes_whole(data):
+        if (
+            not (self._head or self._left or self._queued or self._reset)
+            and len(data) >= _HEADER_SIZE
+            and (data[3] == _DATA or data[3] == _WINDOW_UPDATE)  # (a unary call's reply starts with HEADERS)
+            and _passes_whole(data)
+        ):
             if not self._client.is_closing():  # (a streaming reply, or Triton's window updates)
                 self._client.write(data)
             return
