@@ -101,25 +101,27 @@ class UpstreamConnection(asyncio.Protocol):
     # ---------------------------------------------------------------------------------- reading
 
     def data_received(self, data: bytes) -> None:
-        if (
-            not (self._head or self._left or self._queued or self._reset)
-            and len(data) >= _HEADER_SIZE
-            and (data[3] == _DATA or data[3] == _WINDOW_UPDATE)  # (a unary call's reply starts with HEADERS)
-            and _passes_whole(data)
-        ):
-            if not self._client.is_closing():  # (a streaming reply, or Triton's window updates)
-                self._client.write(data)
-            return
-        self._relay(data)
+        start = 0
+        if not (self._head or self._left or self._queued or self._reset) and len(data) >= _HEADER_SIZE:
+            # A streaming reply, or Triton's window updates: frames that pass as they are, seen with one check each
+            # (a unary call's reply starts with HEADERS, not asked).
+            if data[3] == _DATA or data[3] == _WINDOW_UPDATE:
+                start = _passing(data)
+                if start == len(data):
+                    if not self._client.is_closing():
+                        self._client.write(data)
+                    return
+        self._relay(data, start)
 
-    def _relay(self, data: bytes) -> None:
+    def _relay(self, data: bytes, start: int) -> None:
         """Pass Triton's frames on, looking at those the proxy must see (a stream's end, header blocks, frames of
-        streams it reset) and slipping its own frames in between."""
+        streams it reset) and slipping its own frames in between; ``data[:start]``, whole frames, passes as it is
+        (:func:`_passing`: then no frame is split across reads, and nothing of the proxy's waits)."""
         if self._head:
             data, self._head = self._head + data, b""
         chunks: list[bytes | memoryview] = []
-        pos = self._continue_frame(data, chunks) if self._left else 0
-        run = 0 if self._mode == _PASS else pos  # bytes from here on pass as they are
+        pos = self._continue_frame(data, chunks) if self._left else start
+        run = 0 if self._mode == _PASS or start else pos  # bytes from here on pass as they are
         if self._queued and not self._left:
             run = self._flush_queued(data, run, pos, chunks)
         end, unpack, reset, known = len(data), _FRAME_HEADER.unpack_from, self._reset, self._known
@@ -299,16 +301,15 @@ def _fragment(frame: bytes) -> bytes | memoryview:
     return http2.header_block_fragment(flags, payload) if kind == http2.HEADERS else payload
 
 
-def _passes_whole(data: bytes) -> bool:
-    """Whether a read, starting at a frame's start with nothing of the proxy's waiting to go in between, is
-    whole frames that pass as they are without a look at their streams: WINDOW_UPDATE, and DATA not ending its
-    stream. (:meth:`UpstreamConnection.data_received`'s loop passes these the same way, one by one.)"""
+def _passing(data: bytes) -> int:
+    """Where the whole frames at the start of a read that pass as they are without a look at their streams end:
+    WINDOW_UPDATE, and DATA not ending its stream (the general loop of :meth:`UpstreamConnection._relay` passes
+    these the same way, once no stream is reset)."""
     pos, end = 0, len(data)
-    while pos < end:
-        if end - pos < _HEADER_SIZE:
-            return False
+    while end - pos >= _HEADER_SIZE:
         high, low, kind, flags, _ = _FRAME_HEADER.unpack_from(data, pos)
-        if not (kind == _WINDOW_UPDATE or kind == _DATA and not flags & _END_STREAM):
-            return False
-        pos += _HEADER_SIZE + (high << 16 | low)
-    return pos == end
+        stop = pos + _HEADER_SIZE + (high << 16 | low)
+        if stop > end or not (kind == _WINDOW_UPDATE or kind == _DATA and not flags & _END_STREAM):
+            break
+        pos = stop
+    return pos
