@@ -17,6 +17,9 @@ count (bench/answers.py), read before the counters are zeroed and after the dump
 admission (``--max-inflight 64``), a bearer token (``--auth-token-file``; the clients send the token) and both
 — what each costs per request.
 
+``--floor`` also measures ``bench/relay_floor.py``, a byte relay in Python on the same interpreter and uvloop
+that parses nothing: the floor of the proxy's design, what judging nothing would cost.
+
 ``--keep DIR`` keeps each counted window's callgrind dump there (``<target>-<protocol>.callgrind``), for
 ``bench/callgrind_self.py`` to say where the instructions went, by function and by library.
 
@@ -24,7 +27,8 @@ admission (``--max-inflight 64``), a bearer token (``--auth-token-file``; the cl
 callgrind the target is the bottleneck, so each of its event-loop turns finds more ready events than at full
 speed — a lower bound on the batching the real c=16 gets, for both targets alike.
 
-usage: .venv/bin/python bench/instructions.py [--seconds 10] [--connections 1] [--features] [--keep DIR]
+usage: .venv/bin/python bench/instructions.py [--seconds 10] [--connections 1] [--features] [--floor]
+       [--keep DIR]
        (needs scripts/setup.sh --bench)
 """
 
@@ -132,6 +136,14 @@ def nginx_target(run: Path, ports: Ports) -> Target:
         conf = conf.replace(key, value)
     (run / "nginx.conf").write_text("master_process off;\ndaemon off;\n" + conf)  # one process, in the foreground
     return Target(["nginx", "-c", str(run / "nginx.conf"), "-p", str(run)])
+
+
+def floor_target(ports: Ports) -> Target:
+    """``bench/relay_floor.py`` on the proxy's interpreter, relaying both ports to Triton."""
+    relay = str(ROOT / "bench" / "relay_floor.py")
+    python = str(target.venv() / "bin" / "python")
+    ends = (ports.http, ports.triton_http, ports.grpc, ports.triton_grpc)
+    return Target([python, relay, *(str(port) for port in ends)])
 
 
 def proxy_target(run: Path, ports: Ports, options: list[str]) -> Target:
@@ -271,6 +283,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="driven seconds per target and protocol")
     parser.add_argument("--connections", type=int, default=1, help="connections (streams) driven at once")
     parser.add_argument("--features", action="store_true", help="also the proxy with admission and a token on")
+    parser.add_argument("--floor", action="store_true", help="also a byte relay in Python that parses nothing")
     parser.add_argument("--keep", type=Path, help="keep each window's callgrind dump in this directory")
     args = parser.parse_args()
     if args.keep is not None:
@@ -285,6 +298,8 @@ def main() -> int:
         targets = {"nginx": nginx_target(run, ports), "tritonshare": proxy_target(run, ports, [])}
         if args.features:
             targets |= {name: proxy_target(run, ports, options) for name, options in FEATURES.items()}
+        if args.floor:
+            targets["python-relay"] = floor_target(ports)
         for name, measured in targets.items():
             out = run / f"{name}.callgrind"
             pages = functools.partial(metrics_pages, ports, measured)
@@ -303,6 +318,11 @@ def main() -> int:
     for protocol in ("rest", "grpc", "stream"):
         ours, base = rows["tritonshare", protocol], rows["nginx", protocol]
         print(f"| {protocol} | {base:,.0f} | {ours:,.0f} | {ours / base:.2f}× |")
+    if args.floor:
+        print(f"\n| protocol (c={c}) | python-relay (the floor) | tritonshare above it |\n|---|---:|---:|")
+        for protocol in ("rest", "grpc", "stream"):
+            floor = rows["python-relay", protocol]
+            print(f"| {protocol} | {floor:,.0f} | +{rows['tritonshare', protocol] - floor:,.0f} |")
     if args.features:
         names = list(FEATURES)
         print(f"\n| protocol (c={c}) | tritonshare | " + " | ".join(names) + " |\n|---|---:|" + "---:|" * len(names))
