@@ -235,9 +235,8 @@ class ClientConnection(asyncio.Protocol):
         if self._opening is None and not self._partial and not self._unavailable:
             same = self._same
             if same is not None and len(data) == same[1] and data.startswith(same[0]) and self._repeats(same):
-                upstream = self._upstream  # the next message of a stream, as the last one (bidi streaming)
-                if upstream is not None and upstream.transport is not None and not upstream.transport.is_closing():
-                    upstream.transport.write(data)
+                if self._upstream is not None:  # the next message of a stream, as the last one (bidi streaming)
+                    self._upstream.send(data)
                 return
             try:  # the common case: Triton's connection is open, no frame left over from the last read
                 self._relay_frames(data, 0)
