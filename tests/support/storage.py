@@ -30,6 +30,7 @@ import tarfile
 import threading
 import urllib.request
 import zipfile
+import zlib
 from base64 import b64encode
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -486,6 +487,7 @@ class Fault:
 
     status: int | None = None  # answer with this status and a short body instead of the file
     times: int | None = None  # only for the first N matching requests; None: always
+    method: str | None = None  # only requests of this method; None: any (a HEAD only meets status and no-answer)
     corrupt: bool = False  # flip the first byte of the body (headers still describe the true file)
     stall_after_bytes: int | None = None  # send this many body bytes (0: not even headers), then hang
     ignore_range: bool = False  # answer a ranged GET with 200 and the whole file, as some servers do
@@ -503,6 +505,9 @@ class HttpFileServer(_AiohttpInThread):
     faults: dict[str, Fault] = field(default_factory=dict)
     requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path) as received
     ranges: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each ranged GET
+    # answer x-amz-checksum-mode with the true file's CRC32 on a HEAD and on a GET of all its bytes (a range
+    # of them too), as rclone serve s3 does for an object uploaded with one
+    s3_crc32: bool = False
     _loop: asyncio.AbstractEventLoop | None = None
     _thread: threading.Thread | None = None
     _runner: Any = None
@@ -537,8 +542,12 @@ class HttpFileServer(_AiohttpInThread):
     def _routes(self, app: Any) -> None:
         app.router.add_route("*", "/{path:.*}", self._handle)
 
-    def _fault_for(self, path: str) -> Fault | None:
+    def _fault_for(self, method: str, path: str) -> Fault | None:
         for prefix, fault in self.faults.items():
+            if fault.method not in (None, method):
+                continue
+            if method == "HEAD" and fault.status is None and fault.stall_after_bytes != 0:
+                continue  # a fault of the body: a HEAD has none, and leaves it to the GET it is meant for
             if path.startswith(prefix) and (fault.times is None or fault.used < fault.times):
                 fault.used += 1
                 return fault
@@ -548,7 +557,7 @@ class HttpFileServer(_AiohttpInThread):
         from aiohttp import web
 
         self.requests.append((request.method, request.path_qs))
-        fault = self._fault_for(request.path)
+        fault = self._fault_for(request.method, request.path)
         if fault is not None and fault.status is not None:
             return web.Response(status=fault.status, text=f"injected HTTP {fault.status} for {request.path}")
         if fault is not None and fault.stall_after_bytes == 0:
@@ -565,6 +574,12 @@ class HttpFileServer(_AiohttpInThread):
             if fault is not None and fault.ignore_range
             else _byte_range(request.headers.get("Range", ""), len(data))
         )
+        if (
+            self.s3_crc32
+            and request.headers.get("x-amz-checksum-mode") == "ENABLED"
+            and served in (None, (0, len(data)))
+        ):
+            response.headers["x-amz-checksum-crc32"] = b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
         if served is not None:  # one "bytes=A-B" range, as S3 clients ask for parts
             self.ranges.append(served)
             response.set_status(206)
