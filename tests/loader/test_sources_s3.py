@@ -11,6 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
+from base64 import b64encode
 from collections.abc import Iterator
 from contextlib import closing
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -343,7 +345,7 @@ def test_big_objects_from_a_store_that_ignores_range_come_whole(
         "proxy in front of it that drops Range"
     ]
     big = {"weights.bin": 1_000_000, "other.bin": 700_000}
-    asked = [(line.split()[1].rsplit("/", 1)[1], dropped) for line, dropped in range_dropper.requests]
+    asked = [(line.split()[1].rsplit("/", 1)[1], dropped) for line, dropped in range_dropper.requests if "GET" in line]
     wholes = sorted(name for name, dropped in asked if name in big and dropped == f"bytes=0-{big[name] - 1}")
     parts = [name for name, dropped in asked if name in big and dropped != f"bytes=0-{big[name] - 1}"]
     assert wholes == ["other.bin", "weights.bin"]  # one GET each
@@ -377,7 +379,7 @@ def test_other_objects_are_asked_for_whole(
 
 def test_a_failed_part_is_retried_alone(fake_endpoint: HttpFileServer, source: S3Source, tmp_path: Path) -> None:
     data, obj = big_object(fake_endpoint)
-    fake_endpoint.fail("/models/m/big.bin", Fault(status=503, times=1))
+    fake_endpoint.fail("/models/m/big.bin", Fault(status=503, times=1, method="GET"))  # not the checksum's HEAD
     stats = download_all(source, [obj], tmp_path, PARTS)
     assert (tmp_path / "big.bin").read_bytes() == data
     assert stats.retries == 1 and len(fake_endpoint.ranges) == 10  # the refused request served nothing
@@ -415,6 +417,57 @@ def test_each_stored_flexible_checksum_is_verified(s3_server: MotoS3, tmp_path: 
     s3_server.tamper("models", "m/w.bin", b"B" * 1000)
     with pytest.raises(TransientSourceError, match=rf"m/w.bin: {algorithm.lower()} checksum mismatch"):
         download(uri, tmp_path)
+
+
+def test_a_checksum_a_store_keeps_but_does_not_list_is_asked_for_and_verified(
+    rclone_s3_server: RcloneS3, tmp_path: Path
+) -> None:
+    """rclone serve s3 keeps the CRC32 an SDK uploads with (every AWS SDK since 2025), lists only the MD5 ETag,
+    and answers x-amz-checksum-mode: the cheaper checksum is used for a whole object and for one in parts."""
+    small, big = os.urandom(1000), os.urandom(1_000_000)
+    rclone_s3_server.put("models", "m/small.bin", small, checksum_algorithm="CRC32")
+    rclone_s3_server.put("models", "m/big.bin", big, checksum_algorithm="CRC32")
+    crc32 = {
+        name: b64encode(zlib.crc32(data).to_bytes(4, "big")).decode() for name, data in (("small", small), ("big", big))
+    }
+    with closing(S3Source("s3://models/m")) as source:
+        listed = {obj.relpath: obj for obj in source.list()}
+        assert {obj.checksum.algorithm for obj in listed.values() if obj.checksum} == {"md5"}  # all a listing says
+        body = source.open(listed["small.bin"], 5.0)  # one range of all its bytes, as before
+        body.close()
+        assert body.checksum == Checksum(algorithm="crc32", value=crc32["small"])
+        assert source.whole_checksum(listed["big.bin"], 5.0) == Checksum(algorithm="crc32", value=crc32["big"])
+        (tmp_path / "dest").mkdir()
+        download_all(source, list(listed.values()), tmp_path / "dest", PARTS)
+    assert (tmp_path / "dest" / "small.bin").read_bytes() == small and (
+        tmp_path / "dest" / "big.bin"
+    ).read_bytes() == big
+
+
+@pytest.mark.parametrize("shape", ["one range", "parts"])
+def test_a_checksum_sent_with_the_object_is_the_one_verified(
+    fake_endpoint: HttpFileServer, source: S3Source, tmp_path: Path, caplog: pytest.LogCaptureFixture, shape: str
+) -> None:
+    """A CRC32 sent with a whole object's range (or by the HEAD of one in parts) is verified instead of the listed
+    MD5: a corrupted body is caught by it, and the ranges asked for are those of before."""
+    fake_endpoint.s3_crc32 = True
+    data, obj = big_object(fake_endpoint)
+    options = FAST if shape == "one range" else PARTS
+    fake_endpoint.fail("/models/m/big.bin", Fault(corrupt=True))
+    with (
+        caplog.at_level(logging.WARNING),
+        pytest.raises(TransientSourceError, match=r"m/big.bin: crc32 checksum mismatch"),
+    ):
+        download_all(source, [obj], tmp_path, options)
+    assert "md5" not in caplog.text
+    assert [method for method, _ in fake_endpoint.requests].count("HEAD") == (shape == "parts")
+    fake_endpoint.faults.clear()
+    fake_endpoint.ranges.clear()
+    with closing(S3Source("s3://models/m")) as again:  # (a failed download stops its source for good)
+        download_all(again, [obj], tmp_path, options)
+    assert (tmp_path / "big.bin").read_bytes() == data
+    parts = [(i, min(i + 100_000, len(data))) for i in range(0, len(data), 100_000)]
+    assert sorted(fake_endpoint.ranges) == ([(0, len(data))] if shape == "one range" else parts)
 
 
 def test_an_exact_key_is_listed_with_its_flexible_checksum_rather_than_its_md5(s3_server: MotoS3) -> None:
