@@ -378,10 +378,17 @@ class RcloneS3(_S3Base):
     against ``--auth-key``, so a client with other credentials gets 403 SignatureDoesNotMatch/AccessDenied."""
 
     def __init__(
-        self, root: Path, *, access_key: str = "tritonshare", secret_key: str = "secret-key", cache_hashes: bool = False
+        self,
+        root: Path,
+        *,
+        access_key: str = "tritonshare",
+        secret_key: str = "secret-key",
+        cache_hashes: bool = False,
+        uploads_only: bool = False,
     ) -> None:
         self.root = root
         self.cache_hashes = cache_hashes
+        self.uploads_only = uploads_only
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.access_key, self.secret_key = access_key, secret_key
@@ -391,9 +398,13 @@ class RcloneS3(_S3Base):
         # rclone computes each file's MD5 (its ETag) on every list and GET; with cache_hashes a "hasher"
         # overlay keeps them, as real S3 does, so a benchmark measures the clients rather than that.
         served = f":hasher,remote={self.root},hashes=md5,max_age=off:" if self.cache_hashes else str(self.root)
+        # Files placed straight into the folder show at once only with no directory cache; with uploads_only every
+        # object comes through the server, which keeps its listings (and rclone 1.75.2 over a hasher with no
+        # directory cache spins at 100 % CPU after a few PutObjects into one folder, never answering).
+        dir_cache = [] if self.uploads_only else ["--dir-cache-time", "0s"]
         return [
             str(rclone_binary()), "serve", "s3", served, "--addr", f"127.0.0.1:{self.port}",
-            "--auth-key", f"{self.access_key},{self.secret_key}", "--dir-cache-time", "0s",
+            "--auth-key", f"{self.access_key},{self.secret_key}", *dir_cache,
             "--cache-dir", f"{self.root}.rclone-cache", "--log-level", "ERROR",
         ]  # fmt: skip
 
