@@ -242,6 +242,43 @@ def test_a_stream_repeating_its_messages_shape_is_judged_on_every_message(other:
     assert asyncio.run(relay([reads[0], b"".join(reads[1:])]))[:2] == (to_triton, to_client)
 
 
+def unary(*calls: tuple[int, str, str]) -> list[bytes]:
+    """Unary calls ``(stream id, method, model)``, each whole in one read (HEADERS then DATA, as grpc clients and
+    h2load send one), the model's tensor of other bytes each time, after the preface in a read of its own."""
+    client = Client()
+    reads = [client.headers(sid, method) + data(sid, message(model, bytes([sid]) * 64)) for sid, method, model in calls]
+    return [http2.PREFACE + http2.settings({}), *reads]
+
+
+@pytest.mark.parametrize("other", ["owx", "other"])  # a name as long as the own one, and one that is not
+def test_unary_calls_repeating_the_last_ones_bytes_are_judged_on_every_call(other: str) -> None:
+    """From the third call on, a read repeating the last call's bytes but for its stream id and tensor takes the
+    proxy's short path: it must pass what the full judgment passes, and refuse another model's name, an admin
+    method (after which blocks are re-encoded: its :path changed the table), a stream id not above the last one;
+    the same bytes in one read, judged by the full path, give Triton and the client the same."""
+    calls = [(1, "ModelInfer", "own"), (3, "ModelInfer", "own"), (5, "ModelInfer", "own"), (7, "ModelInfer", other)]
+    calls += [(9, "ModelInfer", "own"), (11, "ModelInfer", "own")]
+    reads = unary(*calls, (13, "RepositoryModelUnload", "own"), (15, "ModelInfer", "own"))
+    remembered: list[object] = []
+    to_triton, to_client, _ = asyncio.run(relay(reads[:7], lambda connection, _: remembered.append(connection._call)))
+    assert remembered != [None]  # the short path was on for calls 5, 9 and 11
+    assert asyncio.run(relay([reads[0], b"".join(reads[1:7])]))[:2] == (to_triton, to_client)
+    to_triton, to_client, _ = asyncio.run(relay(reads))
+    streams = client_streams(to_triton)
+    assert sorted(streams) == [1, 3, 5, 7, 9, 11, 15]  # no 13: never forwarded
+    for sid in (1, 3, 5, 9, 11, 15):
+        assert bytes(streams[sid].data) == message("own", bytes([sid]) * 64) and streams[sid].end_stream
+    assert streams[7].reset_code == http2.CANCEL and not streams[7].data
+    got = frames(to_client)
+    statuses = {sid: dict(hpack.Decoder().decode(p)) for kind, _, sid, p in got if kind == http2.HEADERS}
+    assert statuses[7]["grpc-status"] == "5" and statuses[13]["grpc-status"] == "7"  # NOT_FOUND, PERMISSION_DENIED
+    assert asyncio.run(relay([reads[0], b"".join(reads[1:])]))[:2] == (to_triton, to_client)
+    again = unary(*calls, (7, "ModelInfer", "own"))  # the refused stream's id: a protocol error
+    to_client = asyncio.run(relay(again))[1]
+    assert frames(to_client)[-1][0] == http2.GOAWAY and to_client[-4:] == http2.PROTOCOL_ERROR.to_bytes(4, "big")
+    assert asyncio.run(relay([again[0], b"".join(again[1:])]))[1] == to_client
+
+
 @settings(max_examples=60, deadline=None)
 @given(cuts=st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=12), early=st.integers(0, 3))
 def test_client_side_output_does_not_depend_on_read_boundaries(cuts: list[int], early: int) -> None:

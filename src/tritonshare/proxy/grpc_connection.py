@@ -20,12 +20,12 @@ from tritonshare.proxy.grpc_admission import StreamGate
 from tritonshare.proxy.grpc_answers import LocalAnswers
 from tritonshare.proxy.grpc_control import ControlFrames, FrameHandler, frame_handlers
 from tritonshare.proxy.grpc_headers import ClientHeaders
-from tritonshare.proxy.grpc_messages import MessageInspector, Refusal
+from tritonshare.proxy.grpc_messages import MessageInspector, MessageJudge, Refusal
 from tritonshare.proxy.grpc_opening import OpenUpstream, UpstreamOpening
 from tritonshare.proxy.grpc_streams import PROTOCOL, IdleWatch, ResetBudget, Stream, StreamTable
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
 from tritonshare.proxy.grpc_verdicts import TRITON_DOWN, Unavailable
-from tritonshare.proxy.hpack_codec import HpackError
+from tritonshare.proxy.hpack_codec import HeaderBlock, HpackError
 from tritonshare.proxy.overload import Lingering
 from tritonshare.proxy.state import ProxyState
 
@@ -38,6 +38,10 @@ _TRITON_FULL, _CLIENT_FULL, _HELD_FULL = 1, 2, 4
 # Frame constants read for every frame, as module globals (an attribute lookup each is measurable).
 _HEADER_SIZE, _STREAM_ID_MASK = http2.HEADER_SIZE, http2.STREAM_ID_MASK
 _SMALL_READ = 4096  # reads shorter than this, of an incomplete frame, are copied into one buffer
+# A remembered unary call (see ClientConnection._call): the read's length, its first 5 bytes (the HEADERS frame's
+# length, type and flags), where its DATA frame starts, that frame's first 5 bytes, its message up to the end of what
+# judged it, the header block, the message judge.
+Call = tuple[int, bytes, int, bytes, bytes, HeaderBlock, MessageJudge]
 
 
 class Host(Protocol):
@@ -89,6 +93,10 @@ class ClientConnection(asyncio.Protocol):
         # (its bytes up to the end of what its judgment read, its length, its stream id, its stream). A read that
         # repeats them, on that stream still so judged, is the same judgment (see _repeats).
         self._same: tuple[bytes, int, int, Stream] | None = None
+        # The last read that was one unary call whole: a HEADERS frame opening a stream with the block last forwarded,
+        # then one DATA frame ending that stream, holding one uncompressed message passed. A read that repeats it, its
+        # stream id aside, opens its stream as that block opens one and is judged as it was (see _calls_again).
+        self._call: Call | None = None
         self._goaway_last: int | None = None
         self._headers = ClientHeaders(self, state, self._streams, self._answers, self._gate, self._to_client)
         self._control = ControlFrames(
@@ -238,6 +246,9 @@ class ClientConnection(asyncio.Protocol):
                 if self._upstream is not None:  # the next message of a stream, as the last one (bidi streaming)
                     self._upstream.send(data)
                 return
+            call = self._call
+            if call is not None and len(data) == call[0] and data.startswith(call[1]) and self._calls_again(data, call):
+                return
             try:  # the common case: Triton's connection is open, no frame left over from the last read
                 self._relay_frames(data, 0)
             except (http2.FrameError, HpackError) as exc:
@@ -265,6 +276,49 @@ class ClientConnection(asyncio.Protocol):
             and stream.ticket is None
             and self._handlers is self._frame_handlers
         )
+
+    def _calls_again(self, data: bytes, call: Call) -> bool:
+        """A read as long as the remembered unary call ``call``, starting as it does: when its frame headers are the
+        same but for a new stream's id (the same in both), its header block the same bytes, and its message the same
+        up to the end of what judged it, the stream opens as the HEADERS handler opens it for that block
+        (:meth:`ClientHeaders.open_again`), and its DATA passes as the DATA handler passes it: the same judge, on a
+        new stream judged frame by frame (:meth:`MessageJudge.repeatable`). False, nothing done, otherwise."""
+        _, _, split, head, decided, block, judge = call
+        sid = data[5:_HEADER_SIZE]
+        if not (
+            data.startswith(head, split)
+            and data.startswith(sid, split + 5)
+            and data.startswith(decided, split + _HEADER_SIZE)
+            and self._handlers is self._frame_handlers
+        ):
+            return False
+        stream = self._headers.open_again(int.from_bytes(sid, "big") & _STREAM_ID_MASK, data[_HEADER_SIZE:split], block)
+        if stream is None:
+            return False
+        if stream.judge is not judge or stream.inspector is not None or stream.ticket is not None:
+            self._to_upstream(data[:split])  # (never, as remembered: the DATA frame is judged in full)
+            self._relay_frames(data, split)
+        elif self._upstream is not None:
+            self._upstream.send(data)
+        return True
+
+    def _remember_call(self, data: bytes, pos: int, stop: int, stream: Stream) -> None:
+        """``data`` is a HEADERS frame, then the DATA frame at ``pos`` that ends its stream, one uncompressed message
+        passed by ``stream``'s judge: remembered for :meth:`_calls_again` when a repeat of its bytes would be judged
+        alike."""
+        self._call = None
+        if pos <= _HEADER_SIZE or self._preface_left or self._gate is not None or stream.judge is None:
+            return
+        length, kind, flags, _ = http2.parse_header(data, 0)
+        if kind != http2.HEADERS or flags != http2.END_HEADERS or _HEADER_SIZE + length != pos:
+            return
+        if data[5:_HEADER_SIZE] != data[pos + 5 : pos + _HEADER_SIZE]:
+            return
+        block = self._headers.repeatable(data[_HEADER_SIZE:pos], stream)
+        decided = stream.judge.repeatable(data, pos + _HEADER_SIZE, stop) if block is not None else -1
+        if block is not None and decided > 0:
+            head, message = data[pos : pos + 5], data[pos + _HEADER_SIZE : decided]
+            self._call = (len(data), data[:5], pos, head, message, block, stream.judge)
 
     def _first_bytes(self, opening: UpstreamOpening) -> None:
         """The client spoke: Triton's connection opens, and the connection is closed once idle for long."""
@@ -419,9 +473,13 @@ class ClientConnection(asyncio.Protocol):
         else:  # while every message lay whole in its frame, they are judged with no state of the stream's
             rest = stream.judge.whole(data, pos + _HEADER_SIZE, stop)
             if rest == stop:
-                if pos == 0 and stop == len(data) and not flags & http2.END_STREAM:  # the read was this frame
-                    decided = stream.judge.repeatable(data, _HEADER_SIZE, stop)
-                    self._same = (data[:decided], stop, stream_id, stream) if decided > 0 else None
+                if stop == len(data):
+                    if not flags & http2.END_STREAM:
+                        if pos == 0:  # the read was this frame
+                            decided = stream.judge.repeatable(data, _HEADER_SIZE, stop)
+                            self._same = (data[:decided], stop, stream_id, stream) if decided > 0 else None
+                    elif stream.ticket is None:  # the read may be a unary call whole
+                        self._remember_call(data, pos, stop, stream)
                 return None
             refusal = rest if isinstance(rest, Refusal) else self._inspect_from(stream, data, rest, stop)
         if refusal is None:
