@@ -359,6 +359,69 @@ def test_triton_side_passes_bytes_and_slips_goaway_in_between_frames(cuts: list[
     assert requests("tritonshare_proxy_requests_total", {**labels, "code": "not_found"}) == 1  # the proxy's
 
 
+def unary_replies(*replies: tuple[int, str, int]) -> list[bytes]:
+    """Triton's replies ``(stream id, grpc-status, DATA bytes)`` to unary calls, each whole in one read as Triton
+    writes one: response headers, one DATA frame, trailers, a WINDOW_UPDATE of the connection."""
+    encoder, response = hpack.Encoder(), [(":status", "200"), ("content-type", "application/grpc")]
+
+    def block(fields: list[tuple[str, str]]) -> bytes:
+        return encoder.encode(fields)
+
+    return [
+        http2.frame(http2.HEADERS, http2.END_HEADERS, sid, block(response))
+        + data(sid, bytes([sid]) * size, end=False)
+        + http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, sid, block([("grpc-status", status)]))
+        + http2.window_update(0, 100)
+        for sid, status, size in replies
+    ]
+
+
+def test_unary_replies_repeating_the_last_ones_frames_are_read_on_every_reply() -> None:
+    """From the third reply on, a read of Triton's repeating the last reply's frames but for its stream id and its
+    DATA takes the proxy's short path: each call is counted by its own status — a reply with another status, or
+    the same bytes after Triton's table changed (its index now names grpc-status 3), is read in full —, and one on
+    a stream the proxy reset still does not reach the client; the same bytes, read by the full path, give the client
+    and the metrics the same."""
+    calls = [(sid, "ModelInfer", "own") for sid in (1, 3, 5, 7, 9, 11)] + [(13, "ModelInfer", "other")]
+    reads = unary(*calls, (15, "ModelInfer", "own"))
+    replies = unary_replies((1, "0", 40), (3, "0", 40), (5, "0", 7), (7, "3", 7), (11, "0", 90), (13, "0", 7))
+    fragments = [payload for kind, _, _, payload in frames(replies[2]) if kind == http2.HEADERS]
+    as_five = http2.frame(http2.HEADERS, http2.END_HEADERS, 9, fragments[0]) + data(9, b"\x09" * 7, end=False)
+    as_five += http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 9, fragments[1])
+    replies[3:3] = [http2.window_update(0, 1) + replies.pop(3), as_five + http2.window_update(0, 100)]
+    last = unary_replies((15, "0", 7))[0]  # (another encoder's blocks, read in full)
+
+    def answer(sent: list[bytes], remembered: list[object]) -> Callable[[ClientConnection, UpstreamConnection], None]:
+        def reply(connection: ClientConnection, upstream: UpstreamConnection) -> None:
+            for read in sent:
+                if read == replies[6]:  # the call Triton answers: the client sends it now
+                    connection.data_received(reads[7])
+                upstream.data_received(read)
+                remembered.append(upstream._reply)
+            connection.data_received(reads[8])
+            upstream.data_received(last)
+
+        return reply
+
+    remembered: list[object] = []
+    _, to_client, state = asyncio.run(relay(reads[:7], answer(replies, remembered)))
+    assert remembered[0] is None and remembered[1] is remembered[2] is remembered[3] is not None  # 5: short path
+    assert None is not remembered[4] is not remembered[3]  # 9 read in full
+    assert None is not remembered[5] is remembered[6]  # 11 read in full (other bytes), 13 too (a stream reset)
+    got = frames(to_client)
+    assert [sid for kind, _, sid, _ in got if kind == http2.DATA] == [1, 3, 5, 7, 9, 11, 15]  # not 13
+    whole = asyncio.run(relay(reads[:7], answer([b"".join(replies[:6]), replies[6]], [])))
+    assert whole[1] == to_client
+    labels = {"model": "own", "protocol": "grpc", "route": "ModelInfer"}
+    for code, n in {"ok": 5, "invalid_argument": 2, "not_found": 1}.items():
+        for proxy in (state, whole[2]):
+            assert (
+                proxy.metrics.registry.get_sample_value("tritonshare_proxy_requests_total", {**labels, "code": code})
+                == n
+            )
+    assert state.inflight == 0
+
+
 def test_a_stream_naming_two_paths_never_reaches_triton() -> None:
     # Which :path would Triton act on? The relay does not find out: a repeated pseudo-header is malformed.
     client = Client()
