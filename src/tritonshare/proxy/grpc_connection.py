@@ -40,11 +40,13 @@ _TRITON_FULL, _CLIENT_FULL, _HELD_FULL = 1, 2, 4
 _HEADER_SIZE, _STREAM_ID_MASK = http2.HEADER_SIZE, http2.STREAM_ID_MASK
 _SMALL_READ = 4096  # reads shorter than this, of an incomplete frame, are copied into one buffer
 _U32 = struct.Struct(">L")
-# A remembered unary call (see ClientConnection._call): the read's length, its first 5 bytes (the HEADERS frame's
-# length, type and flags), where its DATA frame starts, where what judged its message ends, the DATA frame's first 5
-# bytes, its message up to there, the header block, the message judge. (Bytes are compared as slices: a
-# ``startswith`` call parses its arguments, ~400 instructions.)
-Call = tuple[int, bytes, int, int, bytes, bytes, HeaderBlock, MessageJudge]
+_ZERO = bytes(4)  # the connection's stream id
+# A remembered unary call (see ClientConnection._call): the read's length; its bytes up to the end of what judged its
+# message, cut where its stream id stands (in the HEADERS frame, the stream's WINDOW_UPDATE frames, the DATA frame);
+# where the header block's fragment ends, where the DATA frame starts and ends; the bytes after it (the connection's
+# WINDOW_UPDATE frames); the header block, the message judge. (Bytes are compared as slices: a ``startswith`` call
+# parses its arguments, ~400 instructions.)
+Call = tuple[int, tuple[bytes, ...], int, int, int, int, bytes, HeaderBlock, MessageJudge]
 
 
 class Host(Protocol):
@@ -250,7 +252,7 @@ class ClientConnection(asyncio.Protocol):
                     self._upstream.send(data)
                 return
             call = self._call
-            if call is not None and len(data) == call[0] and data[:5] == call[1] and self._calls_again(data, call):
+            if call is not None and len(data) == call[0] and self._calls_again(data, call):
                 return
             try:  # the common case: Triton's connection is open, no frame left over from the last read
                 self._relay_frames(data, 0)
@@ -281,16 +283,23 @@ class ClientConnection(asyncio.Protocol):
         )
 
     def _calls_again(self, data: bytes, call: Call) -> bool:
-        """A read as long as the remembered unary call ``call``, starting as it does: when its frame headers are the
-        same but for a new stream's id (the same in both), its header block the same bytes, and its message the same
-        up to the end of what judged it, the stream opens as the HEADERS handler opens it for that block
-        (:meth:`ClientHeaders.open_again`), and its DATA passes as the DATA handler passes it: the same judge, on a
-        new stream judged frame by frame (:meth:`MessageJudge.repeatable`). False, nothing done, otherwise."""
-        _, _, split, end, head, decided, block, judge = call
-        if data[split:end] != head + data[5:_HEADER_SIZE] + decided or self._handlers is not self._frame_handlers:
+        """A read as long as the remembered unary call ``call``: when it is the same bytes up to the end of what judged
+        its message but for a new stream's id (the same in every frame of the stream), and the same after its DATA
+        frame, the stream opens as the HEADERS handler opens it for that block (:meth:`ClientHeaders.open_again`),
+        the stream's WINDOW_UPDATE frames pass as their handler passes them (a stream Triton knows), its DATA as the
+        DATA handler passes it (the same judge, on a new stream judged frame by frame:
+        :meth:`MessageJudge.repeatable`) and the connection's WINDOW_UPDATE frames as they came while the proxy owes
+        the client no window (else their handler takes its debt off). False, nothing done, otherwise."""
+        _, parts, fragment_end, split, stop, decided, tail, block, judge = call
+        if (
+            data[:decided] != data[5:_HEADER_SIZE].join(parts)
+            or data[stop:] != tail
+            or self._handlers is not self._frame_handlers
+            or (tail and self._answers.window_debt)
+        ):
             return False
         stream_id = _U32.unpack_from(data, 5)[0] & _STREAM_ID_MASK
-        stream = self._headers.open_again(stream_id, data[_HEADER_SIZE:split], block)
+        stream = self._headers.open_again(stream_id, data[_HEADER_SIZE:fragment_end], block)
         if stream is None:
             return False
         if stream.judge is not judge or stream.inspector is not None or stream.ticket is not None:
@@ -301,22 +310,31 @@ class ClientConnection(asyncio.Protocol):
         return True
 
     def _remember_call(self, data: bytes, pos: int, stop: int, stream: Stream) -> None:
-        """``data`` is a HEADERS frame, then the DATA frame at ``pos`` that ends its stream, one uncompressed message
-        passed by ``stream``'s judge: remembered for :meth:`_calls_again` when a repeat of its bytes would be judged
-        alike."""
+        """The DATA frame ``data[pos:stop]`` ends ``stream`` with one uncompressed message passed by its judge: when
+        the read is that stream's HEADERS frame, its WINDOW_UPDATE frames, that DATA frame, then the connection's
+        WINDOW_UPDATE frames (as grpc clients send a unary call), it is remembered for :meth:`_calls_again` if a
+        repeat of its bytes would be judged alike."""
         self._call = None
         if pos <= _HEADER_SIZE or self._preface_left or self._gate is not None or stream.judge is None:
             return
         length, kind, flags, _ = http2.parse_header(data, 0)
-        if kind != http2.HEADERS or flags != http2.END_HEADERS or _HEADER_SIZE + length != pos:
+        if kind != http2.HEADERS or flags != http2.END_HEADERS:
             return
-        if data[5:_HEADER_SIZE] != data[pos + 5 : pos + _HEADER_SIZE]:
+        sid, cuts, at = data[5:_HEADER_SIZE], [5], _HEADER_SIZE + length
+        fragment_end = at
+        while at < pos:  # frames between HEADERS and DATA (whole: the frame loop read them)
+            if data[at + 3] != http2.WINDOW_UPDATE or data[at + 5 : at + _HEADER_SIZE] != sid:
+                return
+            cuts.append(at + 5)
+            at += _HEADER_SIZE + http2.parse_header(data, at)[0]
+        if at != pos or data[pos + 5 : pos + _HEADER_SIZE] != sid or not _connection_updates(data, stop):
             return
-        block = self._headers.repeatable(data[_HEADER_SIZE:pos], stream)
+        cuts.append(pos + 5)
+        block = self._headers.repeatable(data[_HEADER_SIZE:fragment_end], stream)
         decided = stream.judge.repeatable(data, pos + _HEADER_SIZE, stop) if block is not None else -1
         if block is not None and decided > 0:
-            head, message = data[pos : pos + 5], data[pos + _HEADER_SIZE : decided]
-            self._call = (len(data), data[:5], pos, decided, head, message, block, stream.judge)
+            parts = tuple(data[cut + 4 : end] for cut, end in zip([-4, *cuts], [*cuts, decided], strict=True))
+            self._call = (len(data), parts, fragment_end, pos, stop, decided, data[stop:], block, stream.judge)
 
     def _first_bytes(self, opening: UpstreamOpening) -> None:
         """The client spoke: Triton's connection opens, and the connection is closed once idle for long."""
@@ -471,13 +489,12 @@ class ClientConnection(asyncio.Protocol):
         else:  # while every message lay whole in its frame, they are judged with no state of the stream's
             rest = stream.judge.whole(data, pos + _HEADER_SIZE, stop)
             if rest == stop:
-                if stop == len(data):
-                    if not flags & http2.END_STREAM:
-                        if pos == 0:  # the read was this frame
-                            decided = stream.judge.repeatable(data, _HEADER_SIZE, stop)
-                            self._same = (data[:decided], stop, stream_id, stream) if decided > 0 else None
-                    elif stream.ticket is None:  # the read may be a unary call whole
-                        self._remember_call(data, pos, stop, stream)
+                if not flags & http2.END_STREAM:
+                    if pos == 0 and stop == len(data):  # the read was this frame
+                        decided = stream.judge.repeatable(data, _HEADER_SIZE, stop)
+                        self._same = (data[:decided], stop, stream_id, stream) if decided > 0 else None
+                elif stream.ticket is None:  # the read may be a unary call whole
+                    self._remember_call(data, pos, stop, stream)
                 return None
             refusal = rest if isinstance(rest, Refusal) else self._inspect_from(stream, data, rest, stop)
         if refusal is None:
@@ -533,6 +550,13 @@ class ClientConnection(asyncio.Protocol):
                 self._state.settings.connect_timeout_s,
                 lambda: None if transport.is_closing() else self._close_with(http2.goaway(self._streams.client_max)),
             )
+
+
+def _connection_updates(data: bytes, pos: int) -> bool:
+    """Whether ``data[pos:]`` is whole WINDOW_UPDATE frames of the connection (or nothing)."""
+    while len(data) - pos >= _HEADER_SIZE and data[pos + 3] == http2.WINDOW_UPDATE and data[pos + 5 : pos + 9] == _ZERO:
+        pos += _HEADER_SIZE + http2.parse_header(data, pos)[0]
+    return pos == len(data)
 
 
 def _pause_reading(transport: asyncio.Transport | None, paused: bool) -> None:

@@ -116,30 +116,30 @@ class UpstreamConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         start = 0
-        if not (self._head or self._left or self._queued or self._reset) and len(data) >= _HEADER_SIZE:
-            # A streaming reply, or Triton's window updates: frames that pass as they are, seen with one check each
-            # (a unary call's reply starts with HEADERS, not asked).
+        if not (self._head or self._left or self._queued) and len(data) >= _HEADER_SIZE:
             kind = data[3]
-            if kind == _DATA or kind == _WINDOW_UPDATE:
-                start = _passing(data)
-                if start == len(data):
-                    if not self._client.is_closing():
-                        self._client.write(data)
-                    return
-            elif kind == _HEADERS:  # a unary call's reply, as the last one?
+            if kind == _HEADERS:  # a unary call's reply, as the last one?
                 reply = self._reply
                 if reply is not None and data[:5] == reply[0] and self._replies_again(data, reply):
                     return
                 self._relay(data, start)
                 self._remember_reply(data)
                 return
+            # A streaming reply, or Triton's window updates: frames that pass as they are, seen with one check each.
+            if (kind == _DATA or kind == _WINDOW_UPDATE) and not self._reset:
+                start = _passing(data)
+                if start == len(data):
+                    if not self._client.is_closing():
+                        self._client.write(data)
+                    return
         self._relay(data, start)
 
     def _replies_again(self, data: bytes, reply: Reply) -> bool:
         """A read starting as the remembered unary reply ``reply`` does: when it is the same frames on one stream
         but for their stream id and the DATA frame's length and bytes, and Triton's table is as it was, Triton's
         trailers are told to the client side as :meth:`_relay` tells them (their status read once, by their
-        bytes), and the read passes as it came. False, nothing done, otherwise."""
+        bytes), and the read passes as it came, unless the proxy has reset the stream. False, nothing done,
+        otherwise."""
         _, first, split, closing, rest, status, changes = reply
         sid = data[5:_HEADER_SIZE]
         if data[_HEADER_SIZE:split] != first or data[split + 3 : split + _HEADER_SIZE] != _PLAIN_DATA + sid:
@@ -147,8 +147,11 @@ class UpstreamConnection(asyncio.Protocol):
         end = split + _HEADER_SIZE + (_U32.unpack_from(data, split - 1)[0] & 0xFFFFFF)  # the trailers
         if data[end:] != closing + sid + rest or self._decoder is None or self._decoder.changes != changes:
             return False
+        stream_id = _U32.unpack_from(data, 5)[0] & _STREAM_ID_MASK
+        if self._reset and stream_id in self._reset:  # (its frames are dropped)
+            return False
         # (The response headers, not ending the stream, would only mark it as answered, just before it ends.)
-        self._owner.response_headers(_U32.unpack_from(data, 5)[0] & _STREAM_ID_MASK, True, status)
+        self._owner.response_headers(stream_id, True, status)
         if not self._client.is_closing():
             self._client.write(data)
         return True
