@@ -41,12 +41,12 @@ _HEADER_SIZE, _STREAM_ID_MASK = http2.HEADER_SIZE, http2.STREAM_ID_MASK
 _SMALL_READ = 4096  # reads shorter than this, of an incomplete frame, are copied into one buffer
 _U32 = struct.Struct(">L")
 _ZERO = bytes(4)  # the connection's stream id
-# A remembered unary call (see ClientConnection._call): the read's length; its bytes up to the end of what judged its
-# message, cut where its stream id stands (in the HEADERS frame, the stream's WINDOW_UPDATE frames, the DATA frame);
-# where the header block's fragment ends, where the DATA frame starts and ends; the bytes after it (the connection's
-# WINDOW_UPDATE frames); the header block, the message judge. (Bytes are compared as slices: a ``startswith`` call
-# parses its arguments, ~400 instructions.)
-Call = tuple[int, tuple[bytes, ...], int, int, int, int, bytes, HeaderBlock, MessageJudge]
+# A remembered unary call (see ClientConnection._call): the read's length; where its DATA frame ends; its bytes up to
+# the end of what judged its message, cut where its stream id stands (in the HEADERS frame, the stream's WINDOW_UPDATE
+# frames, the DATA frame); where the header block's fragment ends, where the DATA frame starts; the bytes after it (the
+# connection's WINDOW_UPDATE frames); the header block, the message judge. (Bytes are compared as slices: a
+# ``startswith`` call parses its arguments, ~400 instructions.)
+Call = tuple[int, int, tuple[bytes, ...], int, int, int, bytes, HeaderBlock, MessageJudge]
 
 
 class Host(Protocol):
@@ -252,7 +252,7 @@ class ClientConnection(asyncio.Protocol):
                     self._upstream.send(data)
                 return
             call = self._call
-            if call is not None and len(data) == call[0] and self._calls_again(data, call):
+            if call is not None and (len(data) == call[0] or len(data) == call[1]) and self._calls_again(data, call):
                 return
             try:  # the common case: Triton's connection is open, no frame left over from the last read
                 self._relay_frames(data, 0)
@@ -283,20 +283,18 @@ class ClientConnection(asyncio.Protocol):
         )
 
     def _calls_again(self, data: bytes, call: Call) -> bool:
-        """A read as long as the remembered unary call ``call``: when it is the same bytes up to the end of what judged
-        its message but for a new stream's id (the same in every frame of the stream), and the same after its DATA
-        frame, the stream opens as the HEADERS handler opens it for that block (:meth:`ClientHeaders.open_again`),
-        the stream's WINDOW_UPDATE frames pass as their handler passes them (a stream Triton knows), its DATA as the
-        DATA handler passes it (the same judge, on a new stream judged frame by frame:
-        :meth:`MessageJudge.repeatable`) and the connection's WINDOW_UPDATE frames as they came while the proxy owes
-        the client no window (else their handler takes its debt off). False, nothing done, otherwise."""
-        _, parts, fragment_end, split, stop, decided, tail, block, judge = call
-        if (
-            data[:decided] != data[5:_HEADER_SIZE].join(parts)
-            or data[stop:] != tail
-            or self._handlers is not self._frame_handlers
-            or (tail and self._answers.window_debt)
-        ):
+        """A read as long as the remembered unary call ``call``, or as long as it without what followed its DATA
+        frame (grpcio sends the connection's WINDOW_UPDATE with some calls only): when it is the same bytes up to the
+        end of what judged its message but for a new stream's id (the same in every frame of the stream), and the
+        same after its DATA frame or nothing there, the stream opens as the HEADERS handler opens it for that block
+        (:meth:`ClientHeaders.open_again`), the stream's WINDOW_UPDATE frames pass as their handler passes them (a
+        stream Triton knows), its DATA as the DATA handler passes it (the same judge, on a new stream judged frame by
+        frame: :meth:`MessageJudge.repeatable`) and the connection's WINDOW_UPDATE frames as they came while the
+        proxy owes the client no window (else their handler takes its debt off). False, nothing done, otherwise."""
+        _, stop, parts, fragment_end, split, decided, tail, block, judge = call
+        if data[:decided] != data[5:_HEADER_SIZE].join(parts) or self._handlers is not self._frame_handlers:
+            return False
+        if len(data) > stop and (data[stop:] != tail or self._answers.window_debt):
             return False
         stream_id = _U32.unpack_from(data, 5)[0] & _STREAM_ID_MASK
         stream = self._headers.open_again(stream_id, data[_HEADER_SIZE:fragment_end], block)
@@ -334,7 +332,8 @@ class ClientConnection(asyncio.Protocol):
         decided = stream.judge.repeatable(data, pos + _HEADER_SIZE, stop) if block is not None else -1
         if block is not None and decided > 0:
             parts = tuple(data[cut + 4 : end] for cut, end in zip([-4, *cuts], [*cuts, decided], strict=True))
-            self._call = (len(data), parts, fragment_end, pos, stop, decided, data[stop:], block, stream.judge)
+            tail = data[stop:]
+            self._call = (len(data), stop, parts, fragment_end, pos, decided, tail, block, stream.judge)
 
     def _first_bytes(self, opening: UpstreamOpening) -> None:
         """The client spoke: Triton's connection opens, and the connection is closed once idle for long."""
