@@ -247,7 +247,7 @@ class ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._opening is None and not self._partial and not self._unavailable:
             same = self._same
-            if same is not None and len(data) == same[1] and data.startswith(same[0]) and self._repeats(same):
+            if same is not None and len(data) == same[1] and data[: len(same[0])] == same[0] and self._repeats(same):
                 if self._upstream is not None:  # the next message of a stream, as the last one (bidi streaming)
                     self._upstream.send(data)
                 return
