@@ -118,13 +118,6 @@ class UpstreamConnection(asyncio.Protocol):
         start = 0
         if not (self._head or self._left or self._queued) and len(data) >= _HEADER_SIZE:
             kind = data[3]
-            if kind == _HEADERS:  # a unary call's reply, as the last one?
-                reply = self._reply
-                if reply is not None and data[:5] == reply[0] and self._replies_again(data, reply):
-                    return
-                self._relay(data, start)
-                self._remember_reply(data)
-                return
             # A streaming reply, or Triton's window updates: frames that pass as they are, seen with one check each.
             if (kind == _DATA or kind == _WINDOW_UPDATE) and not self._reset:
                 start = _passing(data)
@@ -132,6 +125,13 @@ class UpstreamConnection(asyncio.Protocol):
                     if not self._client.is_closing():
                         self._client.write(data)
                     return
+            elif kind == _HEADERS:  # a unary call's reply, as the last one?
+                reply = self._reply
+                if reply is not None and data[:5] == reply[0] and self._replies_again(data, reply):
+                    return
+                self._relay(data, start)
+                self._remember_reply(data)
+                return
         self._relay(data, start)
 
     def _replies_again(self, data: bytes, reply: Reply) -> bool:
