@@ -146,6 +146,31 @@ def test_model_infer_returns_what_triton_returns(
         assert result.get_response().id == "r-1"
 
 
+def test_repeated_infer_calls_are_judged_every_time(
+    client: grpcclient.InferenceServerClient, served_models: ServedModels, triton: TritonServer
+) -> None:
+    """A grpc client repeats a call's bytes but for its stream id and tensor: the proxy's short paths for a repeated
+    call and its repeated reply (tests/proxy/test_grpc_relay.py) must still refuse another model's name — one as long
+    as the own one, whose bytes differ from a passed call's in the name only — and an admin RPC, answer each call as
+    Triton does, and count each by its status."""
+    as_long = "x" * len(served_models.own)
+    before = inference_count(triton, served_models.own)
+    for other in (as_long, served_models.other, as_long):
+        for i in range(4):
+            data = np.full(16, i, dtype=np.float32)
+            assert np.array_equal(client.infer(served_models.own, [identity_input(data)]).as_numpy("OUTPUT0"), data)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer(other, [identity_input(np.full(16, 9, dtype=np.float32))])
+        assert status_of(info.value) == "StatusCode.NOT_FOUND"
+    with pytest.raises(InferenceServerException) as info:
+        client.get_model_repository_index()
+    assert status_of(info.value) == "StatusCode.PERMISSION_DENIED"
+    data = np.arange(16, dtype=np.float32)
+    for _ in range(3):  # header blocks re-encoded from here on (the dropped block changed the table)
+        assert np.array_equal(client.infer(served_models.own, [identity_input(data)]).as_numpy("OUTPUT0"), data)
+    assert inference_count(triton, served_models.own) == before + 15
+
+
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
 def test_compressed_infer_is_inspected_and_forwarded(
     client: grpcclient.InferenceServerClient, served_models: ServedModels, triton: TritonServer, algorithm: str

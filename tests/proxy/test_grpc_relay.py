@@ -242,6 +242,94 @@ def test_a_stream_repeating_its_messages_shape_is_judged_on_every_message(other:
     assert asyncio.run(relay([reads[0], b"".join(reads[1:])]))[:2] == (to_triton, to_client)
 
 
+def unary(*calls: tuple[int, str, str], grpcio: bool = False) -> list[bytes]:
+    """Unary calls ``(stream id, method, model)``, each whole in one read, the model's tensor of other bytes each
+    time, after the preface in a read of its own: HEADERS then DATA as h2load sends them, or (``grpcio``) with the
+    stream's WINDOW_UPDATE between them and the connection's after them, as grpcio does."""
+    client = Client()
+    before, after = (b"", b"") if not grpcio else (http2.window_update(0, 100), http2.window_update(0, 100))
+    reads = [
+        client.headers(sid, method)
+        + (http2.window_update(sid, 5) if grpcio else b"")
+        + data(sid, message(model, bytes([sid]) * 64))
+        + after
+        for sid, method, model in calls
+    ]
+    return [http2.PREFACE + http2.settings({}) + before, *reads]
+
+
+def short_path(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """What the unary call's short path answered, read after read it was asked (a spy on the real check)."""
+    answers, real = [], ClientConnection._calls_again
+
+    def spy(self: ClientConnection, data: bytes, call: object) -> bool:
+        answers.append(real(self, data, call))  # type: ignore[arg-type]
+        return answers[-1]
+
+    monkeypatch.setattr(ClientConnection, "_calls_again", spy)
+    return answers
+
+
+@pytest.mark.parametrize("grpcio", [False, True])
+@pytest.mark.parametrize("other", ["owx", "other"])  # a name as long as the own one, and one that is not
+def test_unary_calls_repeating_the_last_ones_bytes_are_judged_on_every_call(
+    other: str, grpcio: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the third call on, a read repeating the last call's bytes but for its stream id and tensor takes the
+    proxy's short path: it must pass what the full judgment passes, and refuse another model's name, an admin
+    method (after which blocks are re-encoded: its :path changed the table), a stream id not above the last one;
+    the same bytes in one read, judged by the full path, give Triton and the client the same."""
+    calls = [(1, "ModelInfer", "own"), (3, "ModelInfer", "own"), (5, "ModelInfer", "own"), (7, "ModelInfer", other)]
+    calls += [(9, "ModelInfer", "own"), (11, "ModelInfer", "own")]
+    reads = unary(*calls, (13, "RepositoryModelUnload", "own"), (15, "ModelInfer", "own"), grpcio=grpcio)
+    taken = short_path(monkeypatch)
+    to_triton, to_client, _ = asyncio.run(relay(reads[:7]))
+    assert taken == ([True, False, True, True] if other == "owx" else [True, True, True])  # 5, (7), 9, 11
+    assert asyncio.run(relay([reads[0], b"".join(reads[1:7])]))[:2] == (to_triton, to_client)
+    to_triton, to_client, _ = asyncio.run(relay(reads))
+    streams = client_streams(to_triton)
+    assert sorted(streams) == [1, 3, 5, 7, 9, 11, 15]  # no 13: never forwarded
+    for sid in (1, 3, 5, 9, 11, 15):
+        assert bytes(streams[sid].data) == message("own", bytes([sid]) * 64) and streams[sid].end_stream
+    assert streams[7].reset_code == http2.CANCEL and not streams[7].data
+    got = frames(to_client)
+    statuses = {sid: dict(hpack.Decoder().decode(p)) for kind, _, sid, p in got if kind == http2.HEADERS}
+    assert statuses[7]["grpc-status"] == "5" and statuses[13]["grpc-status"] == "7"  # NOT_FOUND, PERMISSION_DENIED
+    assert asyncio.run(relay([reads[0], b"".join(reads[1:])]))[:2] == (to_triton, to_client)
+    again = unary(*calls, (7, "ModelInfer", "own"), grpcio=grpcio)  # the refused stream's id: a protocol error
+    to_client = asyncio.run(relay(again))[1]
+    assert frames(to_client)[-1][0] == http2.GOAWAY and to_client[-4:] == http2.PROTOCOL_ERROR.to_bytes(4, "big")
+    assert asyncio.run(relay([again[0], b"".join(again[1:])]))[1] == to_client
+
+
+def test_a_repeated_unary_call_after_the_proxys_own_answer_pays_the_window_debt_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """grpcio ends a unary call's read with a WINDOW_UPDATE of the connection: after the proxy answered a call itself
+    (its DATA bytes, which Triton never sent, are a debt the next update pays), a call repeating the last one's bytes
+    does not pass as it came — the update is cut by the debt, as the full path cuts it —, and the next ones do, with
+    or without the update."""
+    client = Client()
+
+    def infer(sid: int, update: bool = True) -> bytes:
+        call = client.headers(sid, "ModelInfer") + http2.window_update(sid, 5) + data(sid, message("own", b"t" * 64))
+        return call + http2.window_update(0, 100) if update else call
+
+    reads = [http2.PREFACE + http2.settings({}), infer(1), infer(3), infer(5)]  # (encoded in the order sent)
+    path = hpack.NeverIndexedHeaderTuple(":path", f"/{GRPC_SERVICE}/ServerReady")  # no table change: no re-encoding
+    fields = [(":method", "POST"), (":scheme", "http"), path, (":authority", "proxy:9001")]
+    block = client.encoder.encode([*fields, ("content-type", "application/grpc"), ("te", "trailers")])
+    ready = http2.frame(http2.HEADERS, http2.END_HEADERS, 7, block) + data(7, b"\x00" * 5)  # answered by the proxy
+    reads += [ready, infer(9), infer(11), infer(13, update=False)]  # (grpcio sends some calls without the update)
+    taken = short_path(monkeypatch)
+    to_triton, to_client, _ = asyncio.run(relay(reads))
+    assert taken == [True, False, True, True]  # 5, 9 (the debt), 11, 13
+    debt = sum(len(p) for kind, _, sid, p in frames(to_client) if kind == http2.DATA and sid == 7)
+    updates = [http2.window_increment(p) for kind, _, sid, p in frames(to_triton[24:]) if kind == 8 and sid == 0]
+    assert debt > 0 and updates == [100, 100, 100, 100 - debt, 100]
+    assert asyncio.run(relay([reads[0], b"".join(reads[1:])]))[:2] == (to_triton, to_client)
+
+
 @settings(max_examples=60, deadline=None)
 @given(cuts=st.lists(st.integers(min_value=0, max_value=1 << 20), max_size=12), early=st.integers(0, 3))
 def test_client_side_output_does_not_depend_on_read_boundaries(cuts: list[int], early: int) -> None:
@@ -320,6 +408,73 @@ def test_triton_side_passes_bytes_and_slips_goaway_in_between_frames(cuts: list[
     assert requests("tritonshare_proxy_requests_total", {**labels, "code": "ok"}) == 1  # stream 1
     assert requests("tritonshare_proxy_requests_total", {**labels, "code": "invalid_argument"}) == 1  # Triton's
     assert requests("tritonshare_proxy_requests_total", {**labels, "code": "not_found"}) == 1  # the proxy's
+
+
+def unary_replies(*replies: tuple[int, str, int]) -> list[bytes]:
+    """Triton's replies ``(stream id, grpc-status, DATA bytes)`` to unary calls, each whole in one read as Triton
+    writes one: response headers, one DATA frame, trailers, a WINDOW_UPDATE of the connection."""
+    encoder, response = hpack.Encoder(), [(":status", "200"), ("content-type", "application/grpc")]
+
+    def block(fields: list[tuple[str, str]]) -> bytes:
+        return encoder.encode(fields)
+
+    return [
+        http2.frame(http2.HEADERS, http2.END_HEADERS, sid, block(response))
+        + data(sid, bytes([sid]) * size, end=False)
+        + http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, sid, block([("grpc-status", status)]))
+        + http2.window_update(0, 100)
+        for sid, status, size in replies
+    ]
+
+
+def test_unary_replies_repeating_the_last_ones_frames_are_read_on_every_reply() -> None:
+    """From the third reply on, a read of Triton's repeating the last reply's frames but for its stream id and its
+    DATA takes the proxy's short path: each call is counted by its own status — a reply with another status, or
+    the same bytes after Triton's table changed (its index now names grpc-status 3), is read in full —, and one on
+    a stream the proxy reset still does not reach the client; the same bytes, read by the full path, give the client
+    and the metrics the same."""
+    calls = [(sid, "ModelInfer", "own") for sid in (1, 3, 5, 7, 9, 11)] + [(13, "ModelInfer", "other")]
+    reads = unary(*calls, (15, "ModelInfer", "own"))
+    replies = unary_replies(
+        (1, "0", 40), (3, "0", 40), (5, "0", 7), (7, "3", 7), (11, "0", 90), (13, "0", 7), (15, "0", 9)
+    )
+    fragments = [payload for kind, _, _, payload in frames(replies[2]) if kind == http2.HEADERS]
+    as_five = http2.frame(http2.HEADERS, http2.END_HEADERS, 9, fragments[0]) + data(9, b"\x09" * 7, end=False)
+    as_five += http2.frame(http2.HEADERS, http2.END_HEADERS | http2.END_STREAM, 9, fragments[1])
+    replies[3:3] = [http2.window_update(0, 1) + replies.pop(3), as_five + http2.window_update(0, 100)]
+    last = replies.pop()
+
+    def answer(sent: list[bytes], remembered: list[object]) -> Callable[[ClientConnection, UpstreamConnection], None]:
+        def reply(connection: ClientConnection, upstream: UpstreamConnection) -> None:
+            for read in sent:
+                if read == replies[6]:  # the call Triton answers: the client sends it now
+                    connection.data_received(reads[7])
+                upstream.data_received(read)
+                remembered.append(upstream._reply)
+            connection.data_received(reads[8])
+            upstream.data_received(last)
+            remembered.append(upstream._reply)
+
+        return reply
+
+    remembered: list[object] = []
+    _, to_client, state = asyncio.run(relay(reads[:7], answer(replies, remembered)))
+    assert remembered[0] is None and remembered[1] is remembered[2] is remembered[3] is not None  # 5: short path
+    assert None is not remembered[4] is not remembered[3]  # 9 read in full
+    assert None is not remembered[5] is not remembered[6] is not None  # 11 read in full (other bytes), 13 (reset)
+    assert remembered[7] is remembered[6]  # 15 by the short path: no stream of its reset
+    got = frames(to_client)
+    assert [sid for kind, _, sid, _ in got if kind == http2.DATA] == [1, 3, 5, 7, 9, 11, 15]  # not 13
+    whole = asyncio.run(relay(reads[:7], answer([b"".join(replies[:6]), replies[6]], [])))
+    assert whole[1] == to_client
+    labels = {"model": "own", "protocol": "grpc", "route": "ModelInfer"}
+    for code, n in {"ok": 5, "invalid_argument": 2, "not_found": 1}.items():
+        for proxy in (state, whole[2]):
+            assert (
+                proxy.metrics.registry.get_sample_value("tritonshare_proxy_requests_total", {**labels, "code": code})
+                == n
+            )
+    assert state.inflight == 0
 
 
 def test_a_stream_naming_two_paths_never_reaches_triton() -> None:

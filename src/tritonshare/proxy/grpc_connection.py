@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from typing import Protocol, cast
 
 from tritonshare.proxy import grpc_replies, http2
@@ -20,12 +21,12 @@ from tritonshare.proxy.grpc_admission import StreamGate
 from tritonshare.proxy.grpc_answers import LocalAnswers
 from tritonshare.proxy.grpc_control import ControlFrames, FrameHandler, frame_handlers
 from tritonshare.proxy.grpc_headers import ClientHeaders
-from tritonshare.proxy.grpc_messages import MessageInspector, Refusal
+from tritonshare.proxy.grpc_messages import MessageInspector, MessageJudge, Refusal
 from tritonshare.proxy.grpc_opening import OpenUpstream, UpstreamOpening
 from tritonshare.proxy.grpc_streams import PROTOCOL, IdleWatch, ResetBudget, Stream, StreamTable
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
 from tritonshare.proxy.grpc_verdicts import TRITON_DOWN, Unavailable
-from tritonshare.proxy.hpack_codec import HpackError
+from tritonshare.proxy.hpack_codec import HeaderBlock, HpackError
 from tritonshare.proxy.overload import Lingering
 from tritonshare.proxy.state import ProxyState
 
@@ -38,6 +39,14 @@ _TRITON_FULL, _CLIENT_FULL, _HELD_FULL = 1, 2, 4
 # Frame constants read for every frame, as module globals (an attribute lookup each is measurable).
 _HEADER_SIZE, _STREAM_ID_MASK = http2.HEADER_SIZE, http2.STREAM_ID_MASK
 _SMALL_READ = 4096  # reads shorter than this, of an incomplete frame, are copied into one buffer
+_U32 = struct.Struct(">L")
+_ZERO = bytes(4)  # the connection's stream id
+# A remembered unary call (see ClientConnection._call): the read's length; where its DATA frame ends; its bytes up to
+# the end of what judged its message, cut where its stream id stands (in the HEADERS frame, the stream's WINDOW_UPDATE
+# frames, the DATA frame); where the header block's fragment ends, where the DATA frame starts; the bytes after it (the
+# connection's WINDOW_UPDATE frames); the header block, the message judge. (Bytes are compared as slices: a
+# ``startswith`` call parses its arguments, ~400 instructions.)
+Call = tuple[int, int, tuple[bytes, ...], int, int, int, bytes, HeaderBlock, MessageJudge]
 
 
 class Host(Protocol):
@@ -89,6 +98,10 @@ class ClientConnection(asyncio.Protocol):
         # (its bytes up to the end of what its judgment read, its length, its stream id, its stream). A read that
         # repeats them, on that stream still so judged, is the same judgment (see _repeats).
         self._same: tuple[bytes, int, int, Stream] | None = None
+        # The last read that was one unary call whole: a HEADERS frame opening a stream with the block last forwarded,
+        # then one DATA frame ending that stream, holding one uncompressed message passed. A read that repeats it, its
+        # stream id aside, opens its stream as that block opens one and is judged as it was (see _calls_again).
+        self._call: Call | None = None
         self._goaway_last: int | None = None
         self._headers = ClientHeaders(self, state, self._streams, self._answers, self._gate, self._to_client)
         self._control = ControlFrames(
@@ -234,9 +247,12 @@ class ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._opening is None and not self._partial and not self._unavailable:
             same = self._same
-            if same is not None and len(data) == same[1] and data.startswith(same[0]) and self._repeats(same):
+            if same is not None and len(data) == same[1] and data[: len(same[0])] == same[0] and self._repeats(same):
                 if self._upstream is not None:  # the next message of a stream, as the last one (bidi streaming)
                     self._upstream.send(data)
+                return
+            call = self._call
+            if call is not None and (len(data) == call[0] or len(data) == call[1]) and self._calls_again(data, call):
                 return
             try:  # the common case: Triton's connection is open, no frame left over from the last read
                 self._relay_frames(data, 0)
@@ -265,6 +281,59 @@ class ClientConnection(asyncio.Protocol):
             and stream.ticket is None
             and self._handlers is self._frame_handlers
         )
+
+    def _calls_again(self, data: bytes, call: Call) -> bool:
+        """A read as long as the remembered unary call ``call``, or as long as it without what followed its DATA
+        frame (grpcio sends the connection's WINDOW_UPDATE with some calls only): when it is the same bytes up to the
+        end of what judged its message but for a new stream's id (the same in every frame of the stream), and the
+        same after its DATA frame or nothing there, the stream opens as the HEADERS handler opens it for that block
+        (:meth:`ClientHeaders.open_again`), the stream's WINDOW_UPDATE frames pass as their handler passes them (a
+        stream Triton knows), its DATA as the DATA handler passes it (the same judge, on a new stream judged frame by
+        frame: :meth:`MessageJudge.repeatable`) and the connection's WINDOW_UPDATE frames as they came while the
+        proxy owes the client no window (else their handler takes its debt off). False, nothing done, otherwise."""
+        _, stop, parts, fragment_end, split, decided, tail, block, judge = call
+        if data[:decided] != data[5:_HEADER_SIZE].join(parts) or self._handlers is not self._frame_handlers:
+            return False
+        if len(data) > stop and (data[stop:] != tail or self._answers.window_debt):
+            return False
+        stream_id = _U32.unpack_from(data, 5)[0] & _STREAM_ID_MASK
+        stream = self._headers.open_again(stream_id, data[_HEADER_SIZE:fragment_end], block)
+        if stream is None:
+            return False
+        if stream.judge is not judge or stream.inspector is not None or stream.ticket is not None:
+            self._to_upstream(data[:split])  # (never, as remembered: the DATA frame is judged in full)
+            self._relay_frames(data, split)
+        elif self._upstream is not None:
+            self._upstream.send(data)
+        return True
+
+    def _remember_call(self, data: bytes, pos: int, stop: int, stream: Stream) -> None:
+        """The DATA frame ``data[pos:stop]`` ends ``stream`` with one uncompressed message passed by its judge: when
+        the read is that stream's HEADERS frame, its WINDOW_UPDATE frames, that DATA frame, then the connection's
+        WINDOW_UPDATE frames (as grpc clients send a unary call), it is remembered for :meth:`_calls_again` if a
+        repeat of its bytes would be judged alike."""
+        self._call = None
+        if pos <= _HEADER_SIZE or self._preface_left or self._gate is not None or stream.judge is None:
+            return
+        length, kind, flags, _ = http2.parse_header(data, 0)
+        if kind != http2.HEADERS or flags != http2.END_HEADERS:
+            return
+        sid, cuts, at = data[5:_HEADER_SIZE], [5], _HEADER_SIZE + length
+        fragment_end = at
+        while at < pos:  # frames between HEADERS and DATA (whole: the frame loop read them)
+            if data[at + 3] != http2.WINDOW_UPDATE or data[at + 5 : at + _HEADER_SIZE] != sid:
+                return
+            cuts.append(at + 5)
+            at += _HEADER_SIZE + http2.parse_header(data, at)[0]
+        if at != pos or data[pos + 5 : pos + _HEADER_SIZE] != sid or not _connection_updates(data, stop):
+            return
+        cuts.append(pos + 5)
+        block = self._headers.repeatable(data[_HEADER_SIZE:fragment_end], stream)
+        decided = stream.judge.repeatable(data, pos + _HEADER_SIZE, stop) if block is not None else -1
+        if block is not None and decided > 0:
+            parts = tuple(data[cut + 4 : end] for cut, end in zip([-4, *cuts], [*cuts, decided], strict=True))
+            tail = data[stop:]
+            self._call = (len(data), stop, parts, fragment_end, pos, decided, tail, block, stream.judge)
 
     def _first_bytes(self, opening: UpstreamOpening) -> None:
         """The client spoke: Triton's connection opens, and the connection is closed once idle for long."""
@@ -419,9 +488,12 @@ class ClientConnection(asyncio.Protocol):
         else:  # while every message lay whole in its frame, they are judged with no state of the stream's
             rest = stream.judge.whole(data, pos + _HEADER_SIZE, stop)
             if rest == stop:
-                if pos == 0 and stop == len(data) and not flags & http2.END_STREAM:  # the read was this frame
-                    decided = stream.judge.repeatable(data, _HEADER_SIZE, stop)
-                    self._same = (data[:decided], stop, stream_id, stream) if decided > 0 else None
+                if not flags & http2.END_STREAM:
+                    if pos == 0 and stop == len(data):  # the read was this frame
+                        decided = stream.judge.repeatable(data, _HEADER_SIZE, stop)
+                        self._same = (data[:decided], stop, stream_id, stream) if decided > 0 else None
+                elif stream.ticket is None:  # the read may be a unary call whole
+                    self._remember_call(data, pos, stop, stream)
                 return None
             refusal = rest if isinstance(rest, Refusal) else self._inspect_from(stream, data, rest, stop)
         if refusal is None:
@@ -477,6 +549,13 @@ class ClientConnection(asyncio.Protocol):
                 self._state.settings.connect_timeout_s,
                 lambda: None if transport.is_closing() else self._close_with(http2.goaway(self._streams.client_max)),
             )
+
+
+def _connection_updates(data: bytes, pos: int) -> bool:
+    """Whether ``data[pos:]`` is whole WINDOW_UPDATE frames of the connection (or nothing)."""
+    while len(data) - pos >= _HEADER_SIZE and data[pos + 3] == http2.WINDOW_UPDATE and data[pos + 5 : pos + 9] == _ZERO:
+        pos += _HEADER_SIZE + http2.parse_header(data, pos)[0]
+    return pos == len(data)
 
 
 def _pause_reading(transport: asyncio.Transport | None, paused: bool) -> None:

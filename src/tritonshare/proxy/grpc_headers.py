@@ -21,7 +21,7 @@ from tritonshare.proxy.admission import LIMITED_ROUTES, METADATA_ROUTES
 from tritonshare.proxy.grpc_admission import StreamGate
 from tritonshare.proxy.grpc_answers import LocalAnswers
 from tritonshare.proxy.grpc_messages import MessageInspector, MessageJudge
-from tritonshare.proxy.grpc_streams import StreamTable
+from tritonshare.proxy.grpc_streams import Stream, StreamTable
 from tritonshare.proxy.grpc_verdicts import NewStreams, Unavailable
 from tritonshare.proxy.hpack_codec import HeaderBlock, HeaderDecoder, encode_plain
 from tritonshare.proxy.policy import GrpcRule, Verdict
@@ -138,6 +138,34 @@ class ClientHeaders:
         fragment = bytes(http2.header_block_fragment(flags, memoryview(data)[pos + _HEADER_SIZE : stop]))
         return self._on_header_block(stream_id, flags, self._decoder.decode(fragment))
 
+    def open_again(self, stream_id: int, fragment: bytes, block: HeaderBlock) -> Stream | None:
+        """A plain HEADERS frame (END_HEADERS, no END_STREAM) of ``fragment`` on ``stream_id``, where ``block`` is
+        the last block forwarded: the stream opened as :meth:`on_headers` opens it when the block repeats that one
+        and nothing is re-encoded, else None (nothing done, the frame is for :meth:`on_headers`). The bytes are
+        ``block``'s while the decoder knows them as it (its table unchanged since)."""
+        forwarded = self._forwarded
+        if (
+            forwarded is None
+            or forwarded[0] is not block
+            or self._reencode
+            or self._known.get(fragment) is not block
+            or stream_id <= self._streams.client_max
+            or len(self._active) >= self._max_streams
+            or (self._auth is not None and self._auth.current() != self._verified)
+        ):
+            return None
+        self._streams.client_max = stream_id
+        return self._forward(stream_id, forwarded[1], block)
+
+    def repeatable(self, fragment: bytes, stream: Stream) -> HeaderBlock | None:
+        """The block of ``fragment`` when :meth:`open_again` would open a stream of it as ``stream`` was opened:
+        it is the last block forwarded, with ``stream``'s rule, and blocks are forwarded as they are."""
+        forwarded = self._forwarded
+        if forwarded is None or forwarded[1] is not stream.rule or self._reencode:
+            return None
+        block = self._known.get(fragment)
+        return block if block is forwarded[0] else None
+
     def on_continuation(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
         if not self._block or self._block_stream != stream_id:
             raise http2.FrameError("CONTINUATION frame without a HEADERS frame of its stream before it")
@@ -223,7 +251,7 @@ class ClientHeaders:
         self._forward(stream_id, rule, block)
         return True
 
-    def _forward(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> None:
+    def _forward(self, stream_id: int, rule: GrpcRule, block: HeaderBlock) -> Stream:
         judge = None
         # An OWN route's messages are judged; any other's that may come compressed are followed too: Triton's
         # gRPC server inflates every compressed message whole, whatever its method (the inflate bound).
@@ -236,6 +264,7 @@ class ClientHeaders:
             # (no DATA of it has come yet). One admitted at once is judged as any other, frame by frame.
             if judge is not None and stream.ticket is not None:
                 stream.inspector = MessageInspector(judge, encoding=block.encoding)
+        return stream
 
     def _new_judge(self, rule: GrpcRule) -> MessageJudge:
         walker = self._walkers[rule.inspect]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from typing import Protocol, cast
 
 from tritonshare.proxy import http2
@@ -29,6 +30,15 @@ _FRAME_HEADER, _HEADER_SIZE, _STREAM_ID_MASK = http2.FRAME_HEADER, http2.HEADER_
 _DATA, _HEADERS, _WINDOW_UPDATE = http2.DATA, http2.HEADERS, http2.WINDOW_UPDATE
 _END_STREAM, _END_HEADERS = http2.END_STREAM, http2.END_HEADERS
 _BARE_MASK = http2.END_HEADERS | http2.PADDED | http2.PRIORITY_FLAG  # equal to END_HEADERS: a plain HEADERS
+_U32 = struct.Struct(">L")
+_PLAIN_DATA = bytes((http2.DATA, 0))  # a DATA frame's type and flags: not ending its stream, not padded
+_TRAILERS_FLAGS = http2.END_HEADERS | http2.END_STREAM
+# A remembered unary reply (see UpstreamConnection._reply): its first 5 bytes (the HEADERS frame's length, type and
+# flags), that frame's fragment, where the DATA frame starts, the trailers' first 5 bytes, what follows the trailers'
+# header (their fragment and whole WINDOW_UPDATE frames), the trailers' status, and the decoder's table changes
+# when both blocks were known. (Bytes are compared as slices: a ``startswith`` call parses its
+# arguments, ~400 instructions.)
+Reply = tuple[bytes, bytes, int, bytes, bytes, bytes | None, int]
 
 
 class StreamOwner(Protocol):
@@ -68,6 +78,10 @@ class UpstreamConnection(asyncio.Protocol):
         self._decoder: HeaderDecoder | None = HeaderDecoder()  # None once Triton's blocks could not be read
         self._known = self._decoder.known  # its blocks known by their bytes (empty for good once it is None)
         self._reset = owner.reset_streams
+        # The last read that was one unary reply whole: HEADERS, one DATA frame, trailers of one stream, then whole
+        # WINDOW_UPDATE frames. A read of the same frames but for the stream's id and the DATA frame's length and
+        # content is read as it was (see _replies_again).
+        self._reply: Reply | None = None
 
     # ---------------------------------------------------------------------------------- asyncio
 
@@ -102,16 +116,72 @@ class UpstreamConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         start = 0
-        if not (self._head or self._left or self._queued or self._reset) and len(data) >= _HEADER_SIZE:
-            # A streaming reply, or Triton's window updates: frames that pass as they are, seen with one check each
-            # (a unary call's reply starts with HEADERS, not asked).
-            if data[3] == _DATA or data[3] == _WINDOW_UPDATE:
+        if not (self._head or self._left or self._queued) and len(data) >= _HEADER_SIZE:
+            kind = data[3]
+            # A streaming reply, or Triton's window updates: frames that pass as they are, seen with one check each.
+            if (kind == _DATA or kind == _WINDOW_UPDATE) and not self._reset:
                 start = _passing(data)
                 if start == len(data):
                     if not self._client.is_closing():
                         self._client.write(data)
                     return
+            elif kind == _HEADERS:  # a unary call's reply, as the last one?
+                reply = self._reply
+                if reply is not None and data[:5] == reply[0] and self._replies_again(data, reply):
+                    return
+                self._relay(data, start)
+                self._remember_reply(data)
+                return
         self._relay(data, start)
+
+    def _replies_again(self, data: bytes, reply: Reply) -> bool:
+        """A read starting as the remembered unary reply ``reply`` does: when it is the same frames on one stream
+        but for their stream id and the DATA frame's length and bytes, and Triton's table is as it was, Triton's
+        trailers are told to the client side as :meth:`_relay` tells them (their status read once, by their
+        bytes), and the read passes as it came, unless the proxy has reset the stream. False, nothing done,
+        otherwise."""
+        _, first, split, closing, rest, status, changes = reply
+        sid = data[5:_HEADER_SIZE]
+        if data[_HEADER_SIZE:split] != first or data[split + 3 : split + _HEADER_SIZE] != _PLAIN_DATA + sid:
+            return False
+        end = split + _HEADER_SIZE + (_U32.unpack_from(data, split - 1)[0] & 0xFFFFFF)  # the trailers
+        if data[end:] != closing + sid + rest or self._decoder is None or self._decoder.changes != changes:
+            return False
+        stream_id = _U32.unpack_from(data, 5)[0] & _STREAM_ID_MASK
+        if self._reset and stream_id in self._reset:  # (its frames are dropped)
+            return False
+        # (The response headers, not ending the stream, would only mark it as answered, just before it ends.)
+        self._owner.response_headers(stream_id, True, status)
+        if not self._client.is_closing():
+            self._client.write(data)
+        return True
+
+    def _remember_reply(self, data: bytes) -> None:
+        """After :meth:`_relay` read ``data``: remembered for :meth:`_replies_again` when it is a unary reply whole
+        (HEADERS, one DATA frame, trailers, of one stream, then whole WINDOW_UPDATE frames) whose header blocks the
+        decoder knows."""
+        self._reply = None
+        decoder, size = self._decoder, len(data)
+        if decoder is None or size < 3 * _HEADER_SIZE:
+            return
+        length, _, flags, _ = http2.parse_header(data, 0)
+        split = _HEADER_SIZE + length  # the DATA frame
+        if flags != _END_HEADERS or size - split < 2 * _HEADER_SIZE or data[split + 3 : split + 5] != _PLAIN_DATA:
+            return
+        end = split + _HEADER_SIZE + http2.parse_header(data, split)[0]  # the trailers
+        sid = data[5:_HEADER_SIZE]
+        if size - end < _HEADER_SIZE or data[split + 5 : split + 9] != sid or data[end + 5 : end + 9] != sid:
+            return
+        length, kind, flags, _ = http2.parse_header(data, end)
+        stop = pos = end + _HEADER_SIZE + length
+        while size - pos >= _HEADER_SIZE and data[pos + 3] == _WINDOW_UPDATE:
+            pos += _HEADER_SIZE + http2.parse_header(data, pos)[0]
+        if kind != _HEADERS or flags != _TRAILERS_FLAGS or pos != size:
+            return
+        first, last = self._known.get(data[_HEADER_SIZE:split]), self._known.get(data[end + _HEADER_SIZE : stop])
+        if first is not None and last is not None:
+            rest = data[end + _HEADER_SIZE :]
+            self._reply = (data[:5], data[9:split], split, data[end : end + 5], rest, last.status, decoder.changes)
 
     def _relay(self, data: bytes, start: int) -> None:
         """Pass Triton's frames on, looking at those the proxy must see (a stream's end, header blocks, frames of
@@ -283,7 +353,7 @@ class UpstreamConnection(asyncio.Protocol):
             return self._decoder.decode(fragment)
         except HpackError as exc:  # never break the relay over it: stop reading statuses on this connection
             logger.warning("cannot decode Triton's response headers (%s): statuses not read on this connection", exc)
-            self._decoder, self._known = None, {}
+            self._decoder, self._known, self._reply = None, {}, None
             return None
 
     def _clamp_goaway(self, frame: bytes) -> bytes:

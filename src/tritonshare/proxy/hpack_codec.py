@@ -112,6 +112,7 @@ class HeaderDecoder:
         self._size = 0
         self._max_size = max_table_size
         self.known: dict[bytes, HeaderBlock] = {}
+        self.changes = 0  # blocks that changed the table so far: while it stays, known bytes decode as they did
         self._huffman: dict[bytes, bytes] = {}
 
     def decode(self, block: bytes) -> HeaderBlock:
@@ -126,6 +127,7 @@ class HeaderDecoder:
             raise HpackError(f"invalid Huffman string in header block: {exc}") from exc
         if result.changes_table:
             self.known.clear()
+            self.changes += 1
         elif len(block) <= _CACHED_BLOCK_BYTES:
             if len(self.known) >= _CACHE_LIMIT:
                 self.known.clear()

@@ -296,13 +296,15 @@ class MessageWalker:
         prefix = self._prefix
         if self._rest < 0 or self._name != name or pos + len(prefix) + self._rest != end:
             return -1
-        return len(prefix) if buf.startswith(prefix, pos, end) else -1
+        n = len(prefix)  # (within the message: the value's length is not negative; a slice compared costs less)
+        return n if buf[pos : pos + n] == prefix else -1
 
     def walk(self, buf: bytes, pos: int, end: int) -> tuple[bytes, WalkResult | None]:
         prefix = self._prefix
-        if not buf.startswith(prefix, pos, end):  # (b"", when nothing is remembered, always matches)
+        n = len(prefix)  # (a slice compared: startswith parses its arguments, ~400 instructions a call)
+        if pos + n > end or buf[pos : pos + n] != prefix:  # (b"", when nothing is remembered, always matches)
             return self._walk(buf, pos, pos, end, b"")
-        if pos + len(prefix) + self._rest == end:  # the same fields, then a value as long as the last one's
+        if pos + n + self._rest == end:  # the same fields, then a value as long as the last one's
             return self._name, None
         return self._walk(buf, pos, pos + self._cut, end, self._name)  # after the same leading fields
 
