@@ -302,6 +302,19 @@ def test_unary_calls_repeating_the_last_ones_bytes_are_judged_on_every_call(
     assert asyncio.run(relay([again[0], b"".join(again[1:])]))[1] == to_client
 
 
+@pytest.mark.parametrize("grpcio", [False, True])
+@pytest.mark.parametrize("even", [2, 8])  # a first stream (the full path); a repeat of the last call (short paths)
+def test_a_stream_with_an_even_id_ends_the_connection(even: int, grpcio: bool) -> None:
+    """Client streams have odd ids (RFC 9113 §5.1.1): an even one is a protocol error of the connection, never passed
+    to Triton — on the full path, and on a read that repeats the last call's bytes but for its stream id."""
+    calls = [(1, "ModelInfer", "own"), (3, "ModelInfer", "own"), (5, "ModelInfer", "own"), (even, "ModelInfer", "own")]
+    reads = unary(*calls[3:] if even == 2 else calls, grpcio=grpcio)
+    to_triton, to_client, _ = asyncio.run(relay(reads))
+    assert goaway_code(to_client) == http2.PROTOCOL_ERROR
+    assert even not in client_streams(to_triton)
+    assert sorted(client_streams(to_triton)) == ([] if even == 2 else [1, 3, 5])
+
+
 def test_a_repeated_unary_call_after_the_proxys_own_answer_pays_the_window_debt_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -122,6 +122,7 @@ class ClientHeaders:
                 forwarded is not None
                 and forwarded[0] is block
                 and stream_id > self._streams.client_max
+                and stream_id & 1
                 and len(self._active) < self._max_streams
                 and (self._auth is None or self._auth.current() == self._verified)
             ):
@@ -150,6 +151,7 @@ class ClientHeaders:
             or self._reencode
             or self._known.get(fragment) is not block
             or stream_id <= self._streams.client_max
+            or not stream_id & 1
             or len(self._active) >= self._max_streams
             or (self._auth is not None and self._auth.current() != self._verified)
         ):
@@ -200,6 +202,10 @@ class ClientHeaders:
         """A complete header block, decoded: judge a new stream, then forward it as is (None), re-encoded
         (bytes) or not at all (b"")."""
         if stream_id > self._streams.client_max:
+            if not stream_id & 1:
+                raise http2.FrameError(
+                    f"headers on stream {stream_id}: a client's streams have odd ids (RFC 9113 §5.1.1)"
+                )
             self._streams.client_max = stream_id
             if not self._open_stream(stream_id, block):
                 self._reencode = self._reencode or block.changes_table
