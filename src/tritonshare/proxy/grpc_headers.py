@@ -117,17 +117,7 @@ class ClientHeaders:
         if flags & _BARE_MASK == http2.END_HEADERS:  # the common case: a whole block, no padding or priority
             fragment = data[pos + _HEADER_SIZE : stop]
             block = self._known.get(fragment) or self._decode(fragment)  # (a known block was measured)
-            forwarded = self._forwarded
-            if (
-                forwarded is not None
-                and forwarded[0] is block
-                and stream_id > self._streams.client_max
-                and stream_id & 1
-                and len(self._active) < self._max_streams
-                and (self._auth is None or self._auth.current() == self._verified)
-            ):
-                self._streams.client_max = stream_id  # a new stream opened as the last one was: forwarded
-                self._forward(stream_id, forwarded[1], block)
+            if self._reopen(stream_id, block) is not None:  # a new stream opened as the last one was: forwarded
                 return self._plain_frames(stream_id, flags, block) if self._reencode else None
             return self._on_header_block(stream_id, flags, block)
         self._measure(stop - pos)
@@ -144,12 +134,18 @@ class ClientHeaders:
         the last block forwarded: the stream opened as :meth:`on_headers` opens it when the block repeats that one
         and nothing is re-encoded, else None (nothing done, the frame is for :meth:`on_headers`). The bytes are
         ``block``'s while the decoder knows them as it (its table unchanged since)."""
+        if self._reencode or self._known.get(fragment) is not block:
+            return None
+        return self._reopen(stream_id, block)
+
+    def _reopen(self, stream_id: int, block: HeaderBlock) -> Stream | None:
+        """A new stream of ``block`` opened as the last block forwarded opened one, without judging it again: when
+        ``block`` is that block, ``stream_id`` new and odd, the streams under their cap and the token as verified;
+        None, nothing done, otherwise (the block is judged in full)."""
         forwarded = self._forwarded
         if (
             forwarded is None
             or forwarded[0] is not block
-            or self._reencode
-            or self._known.get(fragment) is not block
             or stream_id <= self._streams.client_max
             or not stream_id & 1
             or len(self._active) >= self._max_streams
