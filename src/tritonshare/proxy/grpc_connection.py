@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 from typing import Protocol, cast
 
 from tritonshare.proxy import grpc_replies, http2
@@ -39,7 +38,7 @@ _TRITON_FULL, _CLIENT_FULL, _HELD_FULL = 1, 2, 4
 # Frame constants read for every frame, as module globals (an attribute lookup each is measurable).
 _HEADER_SIZE, _STREAM_ID_MASK = http2.HEADER_SIZE, http2.STREAM_ID_MASK
 _SMALL_READ = 4096  # reads shorter than this, of an incomplete frame, are copied into one buffer
-_U32 = struct.Struct(">L")
+_U32 = http2.U32
 _ZERO = bytes(4)  # the connection's stream id
 # A remembered unary call (see ClientConnection._call): the read's length; where its DATA frame ends; its bytes up to
 # the end of what judged its message, cut where its stream id stands (in the HEADERS frame, the stream's WINDOW_UPDATE

@@ -18,10 +18,9 @@ message in an encoding the proxy cannot read — is refused: never "allow" on a 
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
-from tritonshare.proxy import held
+from tritonshare.proxy import held, http2
 from tritonshare.proxy.inflation import INFLATES_TOO_FAR, CorruptStream, InflatesTooFar, Inflation
 from tritonshare.proxy.policy import (
     GRPC_INVALID_ARGUMENT,
@@ -44,7 +43,7 @@ from tritonshare.proxy.protobuf import (
     names_shm_parameter,
 )
 
-_U32 = struct.Struct(">L")
+_U32 = http2.U32
 _DECOMPRESSORS = {b"gzip": 31, b"deflate": 15}  # grpc-encoding → zlib wbits (gzip header / zlib header)
 
 

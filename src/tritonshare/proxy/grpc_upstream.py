@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 from typing import Protocol, cast
 
 from tritonshare.proxy import http2
@@ -30,7 +29,7 @@ _FRAME_HEADER, _HEADER_SIZE, _STREAM_ID_MASK = http2.FRAME_HEADER, http2.HEADER_
 _DATA, _HEADERS, _WINDOW_UPDATE = http2.DATA, http2.HEADERS, http2.WINDOW_UPDATE
 _END_STREAM, _END_HEADERS = http2.END_STREAM, http2.END_HEADERS
 _BARE_MASK = http2.END_HEADERS | http2.PADDED | http2.PRIORITY_FLAG  # equal to END_HEADERS: a plain HEADERS
-_U32 = struct.Struct(">L")
+_U32 = http2.U32
 _PLAIN_DATA = bytes((http2.DATA, 0))  # a DATA frame's type and flags: not ending its stream, not padded
 _TRAILERS_FLAGS = http2.END_HEADERS | http2.END_STREAM
 # A remembered unary reply (see UpstreamConnection._reply): its first 5 bytes (the HEADERS frame's length, type and

@@ -48,7 +48,7 @@ SETTINGS_MAX_FRAME_SIZE = 0x5
 # unpack with it directly; elsewhere use parse_header.
 FRAME_HEADER = struct.Struct(">BHBBL")
 STREAM_ID_MASK = 0x7FFF_FFFF
-_U32 = struct.Struct(">L")
+U32 = struct.Struct(">L")  # a frame's 32-bit fields; a gRPC message's length
 _GOAWAY = struct.Struct(">LL")
 _SETTING = struct.Struct(">HL")
 
@@ -74,7 +74,7 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
 
 
 def rst_stream(stream_id: int, error_code: int) -> bytes:
-    return frame(RST_STREAM, 0, stream_id, _U32.pack(error_code))
+    return frame(RST_STREAM, 0, stream_id, U32.pack(error_code))
 
 
 def window_update(stream_id: int, increment: int) -> bytes:
@@ -82,13 +82,13 @@ def window_update(stream_id: int, increment: int) -> bytes:
     out = []
     while increment > 0:
         step = min(increment, MAX_WINDOW_INCREMENT)
-        out.append(frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(step)))
+        out.append(frame(WINDOW_UPDATE, 0, stream_id, U32.pack(step)))
         increment -= step
     return b"".join(out)
 
 
 def window_increment(payload: bytes | memoryview) -> int:
-    return int(_U32.unpack_from(payload, 0)[0]) & 0x7FFF_FFFF
+    return int(U32.unpack_from(payload, 0)[0]) & 0x7FFF_FFFF
 
 
 def goaway(last_stream_id: int, error_code: int = NO_ERROR) -> bytes:
@@ -96,7 +96,7 @@ def goaway(last_stream_id: int, error_code: int = NO_ERROR) -> bytes:
 
 
 def goaway_last_stream(payload: bytes | memoryview) -> int:
-    return int(_U32.unpack_from(payload, 0)[0]) & 0x7FFF_FFFF
+    return int(U32.unpack_from(payload, 0)[0]) & 0x7FFF_FFFF
 
 
 def settings(pairs: dict[int, int] | None = None) -> bytes:
