@@ -282,23 +282,20 @@ def s3_sdk_server(root: Path, work: Path, models: list[Model]) -> Iterator[Schem
     """The same server kind over an empty folder, the models uploaded to it through the S3 API by boto3 with its
     defaults, so that each object carries the flexible checksum the SDK sent (checked before any run)."""
     sys.path.insert(0, str(REPO))
-    from tests.support.storage import RcloneS3
+    from tests.support.storage import RcloneS3, files_under
 
     server = RcloneS3(work / "s3-sdk", cache_hashes=True, uploads_only=True).start()
     try:
         client = upload_with_sdk_defaults(server, root / "models")
         for model in models:  # one small object, the big one, the huge one
-            key = files(root / "models" / model.name)[0].relative_to(root / "models").as_posix()
+            first, _ = next(files_under(root / "models" / model.name))
+            key = f"{model.name}/{first}"
             print(f"s3-sdk: s3://models/{key} has {flexible_checksum(client, 'models', key)}")
         env = server.env() | {"AWS_EC2_METADATA_DISABLED": "true"}
         yield Scheme("s3-sdk", TOOLS["s3-sdk"], env=env, base="s3://models")
     finally:
         server.stop()
         shutil.rmtree(server.root)  # a second copy of the models: the next stores' servers need the disk
-
-
-def files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
 def upload_with_sdk_defaults(server: Any, bucket: Path) -> Any:
@@ -308,6 +305,7 @@ def upload_with_sdk_defaults(server: Any, bucket: Path) -> Any:
     import boto3
     from boto3.s3.transfer import TransferConfig
     from botocore.config import Config
+    from tests.support.storage import files_under
 
     client = boto3.session.Session().client(
         "s3", endpoint_url=server.endpoint, aws_access_key_id=server.access_key,
@@ -321,9 +319,8 @@ def upload_with_sdk_defaults(server: Any, bucket: Path) -> Any:
 
     client.meta.events.register("before-call.s3", called)
     client.create_bucket(Bucket=bucket.name)
-    uploaded = files(bucket)
-    for path in uploaded:
-        key = path.relative_to(bucket).as_posix()
+    uploaded = list(files_under(bucket))
+    for key, path in uploaded:
         client.upload_file(str(path), bucket.name, key, Config=TransferConfig(multipart_threshold=5 << 30))
     if calls.count("PutObject") != len(uploaded) or set(calls) != {"CreateBucket", "PutObject"}:
         raise RuntimeError(f"s3-sdk: {len(uploaded)} files uploaded in other calls than one PutObject each: {calls}")
