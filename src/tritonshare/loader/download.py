@@ -45,7 +45,7 @@ from tritonshare.common.errors import (
     TritonshareError,
     UnsafeArchive,
 )
-from tritonshare.loader.checksum import Hasher, cheapest, check, check_size, hasher_for, verify_file
+from tritonshare.loader.checksum import cheapest, check, check_size, hasher_for, verify_file
 from tritonshare.loader.download_options import (
     MIB,
     Clock,
@@ -324,9 +324,9 @@ class _Transfer:
         if remaining is None:
             return
 
-        def landed(count: int) -> None:
-            split.landed(index, count)
-            self._progress(split.obj, count)
+        def landed(data: memoryview) -> None:
+            split.landed(index, data)
+            self._progress(split.obj, len(data))
 
         try:
             self._guarded(split.target, lambda: self._fetch_part(split, remaining, landed))
@@ -349,9 +349,15 @@ class _Transfer:
         try:
             expected = cheapest(body.checksum, obj.checksum) if self.options.verify_checksums else None
             hasher = hasher_for(expected.algorithm) if expected else None
+
+            def landed(data: memoryview) -> None:
+                if hasher is not None:
+                    hasher.update(data)
+                progress(len(data))
+
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
             try:
-                size = self._copy(body, fd, 0, None, hasher, progress)
+                size = self._copy(body, fd, 0, None, landed)
             finally:
                 os.close(fd)
         finally:
@@ -360,22 +366,21 @@ class _Transfer:
         if expected is not None and hasher is not None:
             check(obj, expected, hasher)
 
-    def _fetch_part(self, split: Split, part: Part, landed: Progress) -> None:
+    def _fetch_part(self, split: Split, part: Part, landed: Callable[[memoryview], None]) -> None:
         assert self.stream is not None
         body = self.stream.open(split.obj, self.options.stall_timeout_s, part)
         try:
             fd = os.open(split.target, os.O_WRONLY)
             try:
-                self._copy(body, fd, part.offset, part.length, None, landed)
+                self._copy(body, fd, part.offset, part.length, landed)
             finally:
                 os.close(fd)
         finally:
             body.close()
 
-    def _copy(
-        self, body: Body, fd: int, offset: int, limit: int | None, hasher: Hasher | None, progress: Progress
-    ) -> int:
-        """Read ``body`` (at most ``limit`` bytes) into the thread's buffer, write it at ``offset``, hash it."""
+    def _copy(self, body: Body, fd: int, offset: int, limit: int | None, landed: Callable[[memoryview], None]) -> int:
+        """Read ``body`` (at most ``limit`` bytes) into the thread's buffer and write it at ``offset``, handing
+        each piece written to ``landed`` (which hashes it, while it is in the CPU's cache, and counts it)."""
         buffer = self._buffer()
         total = 0
         with self._reading(body):
@@ -385,10 +390,8 @@ class _Transfer:
                     break
                 chunk = buffer[:count]
                 write_all(fd, chunk, offset + total)
-                if hasher is not None:
-                    hasher.update(chunk)
                 total += count
-                progress(count)
+                landed(chunk)
         return total
 
     @contextmanager
