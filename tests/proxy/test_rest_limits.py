@@ -10,10 +10,11 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.proxy.conftest import ServedModels
+from tests.proxy.conftest import RecordingModel, ServedModels
 from tests.proxy.test_rest import LocalRest, Raw, error_of, infer_body, request
 from tests.proxy.wire import TcpPipe
 from tests.support.ports import free_port
@@ -160,6 +161,48 @@ def test_an_upload_held_for_its_check_at_sigterm_is_completed(
     # given the signal its default action back, and the exit code would be the signal's, not the proxy's.
     assert proxy.process.wait(timeout=15) == 0  # type: ignore[union-attr]
     assert "drained: no request in flight" in proxy.log_text()
+
+
+@pytest.mark.timeout(60)
+def test_requests_pipelined_behind_one_at_triton_are_read_only_up_to_a_bound(
+    start_proxy: Callable[..., ProxyProcess], recording_model: Callable[[float], RecordingModel]
+) -> None:
+    """A client that pipelines without end while its request is at Triton is not read into the proxy's memory:
+    past ``--max-header-bytes`` of waiting bytes the proxy stops reading, so the kernel's buffers fill and stop
+    the client; once the answer is out it reads on and serves what waited, in order."""
+    model = recording_model(3.0)
+    proxy = start_proxy(model.name, "--no-unload")
+    body = infer_body([7.0])
+    ready = f"GET /v2/models/{model.name}/ready HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    with Raw(proxy.http_port) as client:
+        client.send(_infer_head(model.name, len(body)) + body)
+        time.sleep(0.3)  # it is at Triton for 3 s
+        rss_before = _rss_kib(proxy.pid)
+        client.sock.setblocking(False)
+        sent, burst = 0, ready * 8192
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            try:
+                sent += client.sock.send(burst)
+            except BlockingIOError:
+                time.sleep(0.01)
+        grown_kib = _rss_kib(proxy.pid) - rss_before
+        client.sock.settimeout(10)
+        # What the kernel's socket buffers took: the client's send buffer (4 MiB here) and the proxy's receive
+        # buffer, which stops growing when the proxy stops reading (4.2 MiB in all here). Read on, the proxy took
+        # 35 MiB in that time, and held them.
+        bound = client.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) + (2 << 20)
+        assert sent < bound, f"{sent >> 20} MiB pipelined were taken"
+        assert grown_kib < 2048, f"the proxy grew by {grown_kib} KiB"
+        status, _, answer = client.response()
+        assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [7.0]
+        for _ in range(3):  # reading resumed: the requests that waited are served, in order
+            assert client.response()[0] == 200
+
+
+def _rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0])
 
 
 # ---------------------------------------------------------------------------------------------- --max-body-bytes
