@@ -6,11 +6,10 @@ A CRC (CRC32, CRC32C, CRC64NVME) is worked out in pieces and the pieces' CRCs jo
 (:func:`~tritonshare.loader.checksum.joined`): each download thread hashes the bytes it has just written,
 from its own read buffer, still in the CPU's cache, as part of landing them (:meth:`Split.landed`). Only what
 landed before the checksum was known (while its HEAD was asked) is read back from the file, by the hasher
-thread. Nothing is left to hash when the last part lands, and no page is faulted in to read it back (on this
-VM the faults of reading 200 MiB back cost as much as zlib's CRC32 of it). Measured on one 200 MiB object
-carrying a CRC32 (`rclone serve s3`, the download in a fresh process, medians of 11 runs, 27 Nov): 0.55 s
-read back by the hasher as MD5 still is (below), 0.52 s hashed as it lands, 0.45 s with ISA-L's CRC32 instead
-of zlib's; 0.43 s not verified at all.
+thread. Nothing is left to hash when the last part lands: measured on one 200 MiB object carrying a CRC32
+(`rclone serve s3`, the download in a fresh process, medians of 11 runs, 27 Nov), 0.55 s read back by the
+hasher as MD5 still is (below), 0.52 s hashed as it lands (the same CPU: the tail is gone), 0.45 s with ISA-L's
+CRC32 instead of zlib's; 0.43 s not verified at all.
 
 MD5 and SHA run through the bytes in order: one hasher thread per object follows a *frontier*, the end of the
 bytes landed contiguously from offset 0; the download threads only record what they wrote and wake it when the
