@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from abc import ABC, abstractmethod
 from base64 import b64encode
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,20 +48,21 @@ class _HexHasher:
         return self._hash.hexdigest()
 
 
-class _Crc(ABC):
-    """A CRC as the stores use them: reflected, every bit set before and after. Stretches of an object hashed
-    apart, in any order, are joined into the object's CRC (:func:`joined`) by arithmetic on their values
-    (zlib's ``crc32_combine``: the first value times x^(8 × the second's length), modulo the polynomial, plus the
-    second value), a few dozen microseconds a join."""
+class _Crc:
+    """A CRC as the stores use them: reflected, every bit set before and after, computed by ``extend(data,
+    crc)``, a C function. Stretches of an object hashed apart, in any order, are joined into the object's CRC
+    (:func:`joined`) by arithmetic on their values (zlib's ``crc32_combine``: the first value times
+    x^(8 × the second's length), modulo the polynomial, plus the second value), a few dozen microseconds a join."""
 
     WIDTH: ClassVar[int]  # bits
     POLY: ClassVar[int]  # the polynomial, reflected
 
-    def __init__(self) -> None:
+    def __init__(self, extend: Callable[[bytes | memoryview, int], int]) -> None:
+        self._extend = extend
         self._crc = 0
 
-    @abstractmethod
-    def update(self, data: bytes | memoryview, /) -> None: ...
+    def update(self, data: bytes | memoryview, /) -> None:
+        self._crc = self._extend(data, self._crc)
 
     def value(self) -> str:
         return b64encode(self._crc.to_bytes(self.WIDTH // 8, "big")).decode()
@@ -110,46 +110,39 @@ class _Crc32(_Crc):
     WIDTH, POLY = 32, 0xEDB88320
 
     def __init__(self) -> None:
-        super().__init__()
         from isal import isal_zlib  # ISA-L's, with CLMUL (a runtime dependency, pyproject.toml); takes views
 
-        self._extend: Callable[[bytes | memoryview, int], int] = isal_zlib.crc32
-
-    def update(self, data: bytes | memoryview, /) -> None:
-        self._crc = self._extend(data, self._crc)
+        super().__init__(isal_zlib.crc32)
 
 
 class _Crc32c(_Crc):
     WIDTH, POLY = 32, 0x82F63B78
 
     def __init__(self) -> None:
-        super().__init__()
         import google_crc32c  # C, with SSE4.2 (a runtime dependency, pyproject.toml)
 
-        self._extend: Callable[[int, bytes | memoryview], int] = google_crc32c.extend
+        extend: Callable[[int, bytes], int] = google_crc32c.extend
 
-    def update(self, data: bytes | memoryview, /) -> None:
-        if isinstance(data, bytes):
-            self._crc = self._extend(self._crc, data)
-            return
-        # The C extension takes bytes only, not a view of a buffer (not even a read-only one): a copy, still ~20x
-        # cheaper than MD5. In slices of 64 KiB: blocks freed by the 16 download threads that hash stay in glibc's
-        # per-thread arenas (GCS 200 MiB peaked at 59 MiB RSS with 1 MiB slices, 43 MiB with 64 KiB ones).
-        for start in range(0, len(data), _CRC32C_SLICE_BYTES):
-            self._crc = self._extend(self._crc, bytes(data[start : start + _CRC32C_SLICE_BYTES]))
+        def extend_view(data: bytes | memoryview, crc: int) -> int:
+            if isinstance(data, bytes):
+                return extend(crc, data)
+            # The C extension takes bytes only, not a view of a buffer (not even a read-only one): a copy, still
+            # ~20x cheaper than MD5. In slices of 64 KiB: blocks freed by the 16 download threads that hash stay
+            # in glibc's per-thread arenas (GCS 200 MiB peaked at 59 MiB RSS with 1 MiB slices, 43 MiB with 64 KiB).
+            for start in range(0, len(data), _CRC32C_SLICE_BYTES):
+                crc = extend(crc, bytes(data[start : start + _CRC32C_SLICE_BYTES]))
+            return crc
+
+        super().__init__(extend_view)
 
 
 class _Crc64Nvme(_Crc):
     WIDTH, POLY = 64, 0x9A6C9329AC4BC9B5
 
     def __init__(self) -> None:
-        super().__init__()
         from awscrt import checksums  # C, with CLMUL (a runtime dependency, pyproject.toml); takes views
 
-        self._extend: Callable[[bytes | memoryview, int], int] = checksums.crc64nvme
-
-    def update(self, data: bytes | memoryview, /) -> None:
-        self._crc = self._extend(data, self._crc)
+        super().__init__(checksums.crc64nvme)
 
 
 # algorithm → a new hasher; in order of cost, cheapest first (what cheapest() prefers; CRC64NVME's import
