@@ -10,7 +10,6 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
@@ -177,7 +176,7 @@ def test_requests_pipelined_behind_one_at_triton_are_read_only_up_to_a_bound(
     with Raw(proxy.http_port) as client:
         client.send(_infer_head(model.name, len(body)) + body)
         time.sleep(0.3)  # it is at Triton for 3 s
-        rss_before = _rss_kib(proxy.pid)
+        rss_before = proxy.rss_kib()
         client.sock.setblocking(False)
         sent, burst = 0, ready * 8192
         deadline = time.monotonic() + 1.5
@@ -186,7 +185,7 @@ def test_requests_pipelined_behind_one_at_triton_are_read_only_up_to_a_bound(
                 sent += client.sock.send(burst)
             except BlockingIOError:
                 time.sleep(0.01)
-        grown_kib = _rss_kib(proxy.pid) - rss_before
+        grown_kib = proxy.rss_kib() - rss_before
         client.sock.settimeout(10)
         # What the kernel's socket buffers took: the client's send buffer (4 MiB here) and the proxy's receive
         # buffer, which stops growing when the proxy stops reading (4.2 MiB in all here). Read on, the proxy took
@@ -198,11 +197,6 @@ def test_requests_pipelined_behind_one_at_triton_are_read_only_up_to_a_bound(
         assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [7.0]
         for _ in range(3):  # reading resumed: the requests that waited are served, in order
             assert client.response()[0] == 200
-
-
-def _rss_kib(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(status.split("VmRSS:")[1].split()[0])
 
 
 # ---------------------------------------------------------------------------------------------- --max-body-bytes
