@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.children import die_with_parent
 from tests.support.install import install_model, lease_lock_is_free, model_ready, wait_loading, wait_model_ready
 from tests.support.models import SLOW_START_MODEL, write_model
 from tests.support.ports import free_port
@@ -137,7 +138,9 @@ def test_unload_while_triton_starts_up_leaves_the_folder_it_is_loading_and_trito
     server = TritonServer(repository=layout.repository, log_path=tmp_path / "triton.log")
     cmd, env = server.command()
     with open(server.log_path, "ab") as log:
-        server.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        server.process = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+        )
     try:
         deadline = time.monotonic() + 30
         while "loading: victim:1" not in server.log_text() and time.monotonic() < deadline:

@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 
 from tests.loader.test_sources_transport import RawServer
+from tests.support.children import die_with_parent
 from tests.support.ports import free_port, wait_port
 from tests.support.storage import Fault, HttpFileServer, RangeDropper, make_tar
 from tritonshare.common.errors import (
@@ -312,7 +313,8 @@ class Nginx:
             f"events {{}} http {{ access_log off; {temps}\n"
             f"  server {{ listen 127.0.0.1:{self.port}; root {self.root}; {added} }} }}\n"
         )
-        self.process = subprocess.Popen(["nginx", "-c", str(self.run / "nginx.conf"), "-p", str(self.run)])
+        nginx = ["nginx", "-c", str(self.run / "nginx.conf"), "-p", str(self.run)]
+        self.process = subprocess.Popen(nginx, preexec_fn=die_with_parent)
         wait_port(self.port)
         return self
 

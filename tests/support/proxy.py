@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.children import vm_kib
+from tests.support.children import die_with_parent, vm_kib
 from tests.support.ports import free_port
 from tests.support.triton import TritonServer
 from tritonshare.common.layout import NodeLayout
@@ -82,7 +82,9 @@ class ProxyProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRITONSHARE_")}
         logged = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
+            )
         deadline = time.monotonic() + 15
         while not {self.http_port, self.grpc_port, self.metrics_port} <= _listening_ports(self.process.pid):
             if self.process.poll() is not None:
