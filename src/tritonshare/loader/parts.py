@@ -207,11 +207,14 @@ class Split:
                 self.expected = self._asked()
             if self.expected is None:
                 return
-            fd = os.open(self.target, os.O_RDONLY)
             if joinable(self.expected.algorithm):
-                for piece in self._hand_over(self.expected.algorithm):
+                landed_before = self._hand_over(self.expected.algorithm)  # nothing, when handed over at the start
+                if landed_before:
+                    fd = os.open(self.target, os.O_RDONLY)
+                for piece in landed_before:
                     self._hash_to(fd, piece, piece.stop)
                 return
+            fd = os.open(self.target, os.O_RDONLY)
             whole = _Piece(0, self.obj.size, hasher_for(self.expected.algorithm))
             self._pieces = [whole]
             while (end := self._wait_for_frontier(whole)) > whole.hashed:
