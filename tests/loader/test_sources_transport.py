@@ -3,6 +3,7 @@ kept-alive connections reused, stale ones replaced, half-read responses never re
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 import threading
@@ -17,7 +18,13 @@ import pytest
 
 from tests.support.certs import CertificateAuthority
 from tests.support.sockets import accept_each
-from tritonshare.loader.sources.transport import NETWORK_ERRORS, Origin, Transport, failure_kind
+from tritonshare.loader.sources.transport import (
+    NETWORK_ERRORS,
+    Origin,
+    Transport,
+    failure_kind,
+    proxy_from_environment,
+)
 
 BODY = b"0123456789" * 1000
 
@@ -251,6 +258,35 @@ def test_a_plain_http_proxy_gets_the_absolute_url_and_its_credentials(server: Ra
     assert line == "GET http://models.example:8080/m.tar.gz HTTP/1.1"
     assert headers["host"] == "models.example:8080"
     assert headers["proxy-authorization"] == "Basic dXNlcjpwQHNz"  # user:p@ss
+
+
+@pytest.mark.parametrize(
+    "environment",
+    [
+        {},
+        {"HTTPS_PROXY": "http://proxy.corp:3128"},
+        {"https_proxy": "http://proxy.corp:3128", "NO_PROXY": "store.example"},
+        {"Https_Proxy": "http://proxy.corp:3128", "no_proxy": ".corp"},
+        {"HTTP_PROXY": "http://proxy.corp:3128"},
+        {"HTTPS_PROXY": ""},
+        {"ALL_PROXY": "http://proxy.corp:3128"},
+    ],
+)
+def test_the_proxy_from_the_environment_is_the_one_urllib_would_use(
+    monkeypatch: pytest.MonkeyPatch, environment: dict[str, str]
+) -> None:
+    """Without any ``*_proxy`` variable urllib is not even imported; the answer must stay urllib's."""
+    import urllib.request
+
+    for name in [name for name in os.environ if name.lower().endswith("_proxy")]:
+        monkeypatch.delenv(name)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    for scheme, host in (("https", "store.example"), ("https", "bucket.s3.corp"), ("http", "store.example")):
+        expected = urllib.request.getproxies().get(scheme)
+        if expected is not None and urllib.request.proxy_bypass(host):
+            expected = None
+        assert proxy_from_environment(scheme, host) == expected
 
 
 def test_a_server_that_does_not_answer_is_a_timeout(transport: Transport) -> None:
