@@ -20,8 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from tritonshare.common.command import Stopped
-from tritonshare.common.errors import ExitCode, TritonshareError
+from tritonshare.common.errors import ExitCode, Stopped, TritonshareError
 from tritonshare.loader.run import run as load
 from tritonshare.loader.settings import LoaderSettings
 from tritonshare.loader.sources.base import display_uri

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tritonshare.common.command import Stopped
+from tritonshare.common.errors import Stopped
 from tritonshare.loader.stop import Stop
 
 

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
-from tritonshare.common.errors import ExitCode, TritonshareError, UsageError
+from tritonshare.common.errors import STOP_SIGNALS, ExitCode, Stopped, TritonshareError, UsageError
 from tritonshare.common.layout import DEFAULT_LEASES, DEFAULT_REPOSITORY, DEFAULT_STAGING
 from tritonshare.common.logs import configure_logging
 from tritonshare.common.termination import DEFAULT_PATH, write_termination_message
@@ -186,30 +186,7 @@ def _usage_errors_reported(args: list[str]) -> Iterator[None]:
         raise
 
 
-# The signals that stop a command, and the exit code each ends it with (128 + N, as a shell reports it).
-STOP_SIGNALS: dict[signal.Signals, ExitCode] = {
-    signal.SIGTERM: ExitCode.TERMINATED,
-    signal.SIGINT: ExitCode.INTERRUPTED,
-}
-
 _Handler = Callable[[int, FrameType | None], Any] | int | None  # what signal.signal takes and returns
-
-
-class Stopped(BaseException):
-    """A stop signal, raised in the main thread by :func:`run_command`'s handler so that every ``finally``
-    and ``with`` on the way out runs (the loader discards its staging folder, drops its lease, cancels and
-    joins its download threads). A BaseException, like KeyboardInterrupt, so no ``except Exception``
-    mistakes it for a failure to retry or report."""
-
-    def __init__(self, signum: int, activity: str = "") -> None:
-        self.signal = signal.Signals(signum)
-        self.activity = activity  # what the command was doing when the signal came, if it said (doing())
-        super().__init__(f"stopped by {self.signal.name}" + (f" while {activity}" if activity else ""))
-
-    @property
-    def exit_code(self) -> ExitCode:
-        return STOP_SIGNALS[self.signal]
-
 
 _activities: list[str] = []  # what the command is doing, innermost last (main thread only)
 

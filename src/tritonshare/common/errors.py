@@ -19,9 +19,11 @@
     ├── InsufficientSpace                  exit 15  not enough free disk for the download
     └── TritonUnavailable                  exit 16  Triton's API cannot be reached (proxy, unload)
 
-    (stopped by a signal, not an error)   exit 128+N, as a shell reports it: 130 SIGINT, 143 SIGTERM
-                                                    (common/command.py turns the signal into an exception so
-                                                    clean-up runs, then exits with this code)
+    Stopped (a BaseException: a stop, not an error)
+                                           exit 128+N, as a shell reports it: 130 SIGINT, 143 SIGTERM
+                                                    (common/command.py turns the signal into it so clean-up
+                                                    runs, then exits with this code; loader/stop.py raises it
+                                                    in a load a thread runs)
 
 Third-party exceptions are translated into these once, at the boundary where they are raised
 (``raise SourceAccessDenied(msg) from exc``). Messages say what failed, on which object, and what to do.
@@ -29,6 +31,7 @@ Third-party exceptions are translated into these once, at the boundary where the
 
 from __future__ import annotations
 
+import signal
 from enum import IntEnum
 
 
@@ -47,6 +50,30 @@ class ExitCode(IntEnum):
     TRITON_UNAVAILABLE = 16
     INTERRUPTED = 130  # SIGINT (128 + 2)
     TERMINATED = 143  # SIGTERM (128 + 15): the pod was deleted while the command ran
+
+
+# The signals that stop a command, and the exit code each ends it with (128 + N, as a shell reports it).
+STOP_SIGNALS: dict[signal.Signals, ExitCode] = {
+    signal.SIGTERM: ExitCode.TERMINATED,
+    signal.SIGINT: ExitCode.INTERRUPTED,
+}
+
+
+class Stopped(BaseException):
+    """A stop signal, raised in the main thread by :func:`~tritonshare.common.command.run_command`'s handler
+    (or, for a load a thread runs, by :class:`~tritonshare.loader.stop.Stop`) so that every ``finally`` and
+    ``with`` on the way out runs (the loader discards its staging folder, drops its lease, cancels and joins
+    its download threads). A BaseException, like KeyboardInterrupt, so no ``except Exception`` mistakes it for
+    a failure to retry or report."""
+
+    def __init__(self, signum: int, activity: str = "") -> None:
+        self.signal = signal.Signals(signum)
+        self.activity = activity  # what the command was doing when the signal came, if it said (doing())
+        super().__init__(f"stopped by {self.signal.name}" + (f" while {activity}" if activity else ""))
+
+    @property
+    def exit_code(self) -> ExitCode:
+        return STOP_SIGNALS[self.signal]
 
 
 class TritonshareError(Exception):

@@ -1,6 +1,6 @@
 """Stopping a load that runs in a thread: what SIGTERM is to ``tritonshare load`` in its main thread.
 
-``tritonshare load`` is stopped by a signal: :class:`~tritonshare.common.command.Stopped` is raised wherever
+``tritonshare load`` is stopped by a signal: :class:`~tritonshare.common.errors.Stopped` is raised wherever
 its main thread is, and every ``finally`` on the way out cleans up (the staging workspace discarded, the
 lease dropped, the download's threads cancelled and joined). A load in another thread — the proxy's
 reinstall (:mod:`tritonshare.pod`), stopped by the proxy's drain — cannot be interrupted so; it is asked,
@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from tritonshare.common.command import Stopped
+from tritonshare.common.errors import Stopped
 
 
 class Stop:
