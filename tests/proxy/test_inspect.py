@@ -21,12 +21,16 @@ from tritonshare.proxy.http1 import ChunkedReader
 from tritonshare.proxy.inflation import INFLATE_GRACE_BYTES, MAX_INFLATE_RATIO
 from tritonshare.proxy.inspect import (
     MAX_DEPTH,
+    SHAPE_FLOOR,
     BodyRefused,
     InferBodyCheck,
     RequestBody,
     check_depth,
     check_json,
+    check_plain_body,
+    check_shapes,
     inflation_for,
+    long_shapes,
     might_name_shm,
 )
 
@@ -438,3 +442,89 @@ def test_a_body_of_zeros_passes_up_to_the_grace_whatever_its_ratio(size: int, re
         for i in range(0, len(packed), 7):
             inflation.feed(packed[i : i + 7])
         assert inflation.eof
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+
+
+def _declaring(shape: str, data: str = "[]", key: str = '"shape"') -> bytes:
+    return b'{"inputs":[{"name":"INPUT0","datatype":"FP32",%s: %s,"data":%s}]}' % (
+        key.encode(),
+        shape.encode(),
+        data.encode(),
+    )
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        "[9223372036854775807]",
+        "[18446744073709551615]",
+        "[1000000, 1000000]",
+        "[ 1048577 ]",
+        "[99999999999999999999999]",
+    ],
+)
+def test_a_shape_declaring_more_elements_than_the_body_carries_is_refused(shape: str) -> None:
+    body = _declaring(shape)
+    assert long_shapes(body)  # the short path sends it the long way
+    refused = _refused(check_plain_body, body, None, 1 << 20, shapes=True)
+    assert refused.status == 400 and refused.reason == "shape" and "shape" in refused.message
+
+
+@pytest.mark.parametrize(
+    "shape",
+    ["[1048576]", "[1024, 1024]", "[0, 18446744073709551615]", "[3, 0, 99999999999999999999999]", "[1.5e20]", "[]"],
+)
+def test_shapes_within_the_floor_or_of_no_elements_or_not_numbers_pass(shape: str) -> None:
+    # (what is not a list of unsigned integers Triton refuses itself, without allocating)
+    check_plain_body(_declaring(shape), None, 1 << 20, shapes=True)
+
+
+def test_quick_shapes_are_not_parsed_and_the_check_is_off_for_other_routes() -> None:
+    assert not long_shapes(_declaring("[1, 16]") + _declaring("[999999]"))
+    check_plain_body(_declaring("[10000000000]"), None, 1 << 20)  # generate: shapes are not declared there
+
+
+def test_a_shape_is_bounded_by_the_whole_body_binary_tensors_included() -> None:
+    header = _declaring(f"[{SHAPE_FLOOR * 2}]", data='[], "parameters": {"binary_data_size": 8388608}')
+    body = header + bytes(SHAPE_FLOOR * 8)
+    check_plain_body(body, len(header), 1 << 20, shapes=True)  # 2 Mi FP32 elements in 8 MiB: carried
+    refused = _refused(check_plain_body, body[: SHAPE_FLOOR * 2 - 1], len(header), 1 << 20, shapes=True)
+    assert refused.reason == "shape"
+
+
+def test_an_escaped_spelling_of_the_key_is_seen() -> None:
+    escaped = _declaring("[10000000000]", key='"\\u0073hap\\u0065"')
+    assert json.loads(escaped)["inputs"][0]["shape"] == [10000000000]
+    assert _refused(check_shapes, escaped, len(escaped)).reason == "shape"
+
+
+@pytest.mark.parametrize("encoding", ["", "gzip"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_streamed_bodies_bound_shapes_by_what_their_head_says_they_can_carry(encoding: str, chunked: bool) -> None:
+    header = _declaring("[300000000]", data='[], "parameters": {"binary_data_size": 1200000000}')
+    payload = gzip.compress(header) if encoding else header
+
+    def judged(max_body_bytes: int) -> BodyRefused | None:
+        check = InferBodyCheck(
+            encoding=encoding,
+            json_length=len(header),
+            max_json_bytes=1 << 20,
+            max_body_bytes=max_body_bytes,
+            content_length=None if chunked else len(payload),
+            shapes=True,
+        )
+        try:
+            if check.feed(payload) is None:
+                check.finish()
+        except BodyRefused as exc:
+            return exc
+        return None
+
+    refused = judged(1 << 30)
+    if chunked:  # its length is unknown: bounded by --max-body-bytes (1 GiB is more than 300 M elements)
+        assert refused is None
+        refused = judged(1 << 28)
+    # else its Content-Length (times the inflate ratio when compressed) is far less
+    assert refused is not None and refused.reason == "shape"

@@ -14,6 +14,9 @@ What the JSON is, read the way Triton reads it (``http_server.cc``):
   the decoded body; ``0`` means a raw binary body (no JSON at all); without the header, the whole body;
 - generate / generate_stream: the whole body (the header is ignored by Triton there).
 
+An infer request's input shapes must not declare more elements than its body can carry (:func:`check_shapes`):
+Triton allocates what a shape declares before it reads the data, and aborts when that is too much.
+
 Only the JSON part is held, bounded by ``max_json_bytes`` (more is a 413). A compressed body is inflated
 whole as it passes, in bounded steps, its output past the JSON part dropped (:class:`BodyInflation`): Triton
 inflates it whole into memory before reading it, so one that inflates too far (:mod:`tritonshare.proxy.inflation`)
@@ -31,7 +34,15 @@ import json
 import re
 
 from tritonshare.proxy.http1 import LAST_CHUNK, ChunkedReader, chunk
-from tritonshare.proxy.inflation import INFLATES_TOO_FAR, CorruptStream, InflatesTooFar, Inflation
+from tritonshare.proxy.inflation import (
+    INFLATE_GRACE_BYTES,
+    INFLATES_TOO_FAR,
+    MAX_INFLATE_RATIO,
+    MAX_INFLATED_BYTES,
+    CorruptStream,
+    InflatesTooFar,
+    Inflation,
+)
 from tritonshare.proxy.policy import SHM_MARKER, SHM_PARAMETERS
 
 # Content-Encoding -> zlib wbits (None: the body is not encoded). Both compressed forms are read with automatic
@@ -179,8 +190,86 @@ _SCAN = re.compile(
 )
 
 
-def check_plain_body(body: bytes, json_length: int | None, max_json_bytes: int) -> None:
-    """Check a whole unencoded body at once (the common case: it arrived with its head)."""
+# Triton's REST front end sizes an input's buffer from its declared shape before it reads the JSON "data"
+# (``http_server.cc``: ``serialized.resize(element_cnt * dtype size)``, the data checked after): one small request
+# declaring 10**12 elements made Triton 2.51 abort on std::bad_alloc, and 2**63-1 (a size wrapped past
+# vector::max_size) on std::length_error — every tenant's server, here. A valid request carries at least a byte per
+# element (a JSON number, or binary tensor bytes), so no input declares more elements than the body has bytes (or
+# SHAPE_FLOOR, whatever the body: Triton allocates at most 8 MiB for those); a shape array of at most
+# _QUICK_SHAPE_DIGITS digits declares fewer, and is not parsed.
+SHAPE_KEY = b'"shape"'
+SHAPE_FLOOR = 1 << 20
+_QUICK_SHAPE_DIGITS = len(str(SHAPE_FLOOR)) - 1  # (6: fewer than 10**6 elements)
+_NOT_DIGITS = bytes(b for b in range(256) if not 0x30 <= b <= 0x39)  # deleted, they leave a shape's digits
+_BLANKS = b" \t\n\r"
+_ARRAY = rb"[ \t\n\r]*+:[ \t\n\r]*+\[([0-9, \t\n\r]*+)\]"  # a key's array of unsigned integers (Triton's dims)
+_SHAPE_ARRAY = re.compile(_ARRAY)  # from just after the key
+_SPELLED_SHAPE = re.compile(b'"' + _spelled("shape") + b'"' + _ARRAY)  # any spelling of the key, escapes included
+# The key, then more than _QUICK_SHAPE_DIGITS digits before a ']' (possessive: linear).
+_LONG_SHAPE = re.compile(SHAPE_KEY + rb"(?:[^\]0-9]*+[0-9]){%d}" % (_QUICK_SHAPE_DIGITS + 1)).match
+_MAX_DIM_DIGITS = 20  # uint64: a longer number is no dim Triton takes (and may be huge: not converted)
+_TOO_MANY = 1 << 64
+
+
+def long_shapes(data: bytes, pos: int = 0) -> bool:
+    """Whether ``data[pos:]`` (JSON without escapes) may declare more than :data:`SHAPE_FLOOR` elements for an
+    input: a ``"shape"`` followed by more than :data:`_QUICK_SHAPE_DIGITS` digits before the next ``]`` (then
+    :func:`check_shapes` decides). The short path's test: a search for the key (one pass over the bytes, as each of
+    its other looks is), and a short match where it is found."""
+    find = data.find
+    pos = find(SHAPE_KEY, pos)
+    while pos >= 0:
+        if _LONG_SHAPE(data, pos) is not None:
+            return True
+        pos = find(SHAPE_KEY, pos + len(SHAPE_KEY))
+    return False
+
+
+def check_shapes(part: bytes, carried: int) -> None:
+    """Raise :class:`BodyRefused` when an input's shape in this infer JSON declares more elements than a body of
+    ``carried`` decoded bytes (or :data:`SHAPE_FLOOR`) can hold. Every ``"shape"`` key counts, wherever it is."""
+    if ESCAPE in part:
+        arrays = [match[1] for match in _SPELLED_SHAPE.finditer(part)]
+    else:
+        arrays = []
+        pos = part.find(SHAPE_KEY)
+        while pos >= 0:
+            match = _SHAPE_ARRAY.match(part, pos + len(SHAPE_KEY))
+            if match is not None:
+                arrays.append(match[1])
+            pos = part.find(SHAPE_KEY, pos + len(SHAPE_KEY))
+    bound = max(carried, SHAPE_FLOOR)
+    for dims in arrays:
+        if len(dims.translate(None, _NOT_DIGITS)) > _QUICK_SHAPE_DIGITS and _elements(dims) > bound:
+            raise BodyRefused(
+                400,
+                f"an input's shape [{clip(dims)}] declares more elements than the body can carry ({carried} bytes): "
+                "Triton would allocate them before reading the data",
+                "shape",
+            )
+
+
+def _elements(dims: bytes) -> int:
+    """The element count of a shape array's contents (digits, commas, blanks); one that is not a list of numbers
+    (invalid JSON: Triton refuses it) counts 0, a number longer than any uint64 as too many."""
+    count = 1
+    for item in dims.split(b","):
+        digits = item.strip(_BLANKS)
+        if not digits or not digits.isdigit():
+            return 0
+        # (kept below 2**64 + 1: a zero later still makes it 0, and no product of many huge numbers is built)
+        count = min(count * (int(digits) if len(digits) <= _MAX_DIM_DIGITS else _TOO_MANY), _TOO_MANY)
+    return count
+
+
+def clip(raw: bytes, limit: int = 60) -> str:
+    text = " ".join(raw.decode("ascii").split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def check_plain_body(body: bytes, json_length: int | None, max_json_bytes: int, *, shapes: bool = False) -> None:
+    """Check a whole unencoded body at once (the common case: it arrived with its head); ``shapes``: an infer
+    request's input shapes too (:func:`check_shapes`)."""
     if json_length == 0:
         return
     part = body if json_length is None else body[:json_length]
@@ -189,6 +278,8 @@ def check_plain_body(body: bytes, json_length: int | None, max_json_bytes: int) 
     if json_length is not None and json_length > len(body):
         raise _short(json_length, len(body))
     check_json(part)
+    if shapes:
+        check_shapes(part, len(body))
 
 
 class InferBodyCheck:
@@ -209,9 +300,13 @@ class InferBodyCheck:
         max_json_bytes: int,
         max_body_bytes: int = 0,
         content_length: int | None = None,
+        shapes: bool = False,
     ) -> None:
-        """``content_length``: the body's, None when chunked."""
+        """``content_length``: the body's, None when chunked; ``shapes``: an infer request's input shapes are
+        checked too (:func:`check_shapes`)."""
         self.inflation = inflation_for(encoding, max_body_bytes)  # RequestBody goes on with it past the JSON part
+        self._shapes = shapes
+        self._carried = _carried(self.inflation is not None, content_length, max_body_bytes)
         # The JSON part's length, when the head tells it: Inference-Header-Content-Length (of the decoded body),
         # or the Content-Length of a plain body that is all JSON; None: known only as it arrives.
         self.declared = json_length if json_length is not None or self.inflation is not None else content_length
@@ -262,6 +357,8 @@ class InferBodyCheck:
     def _judge(self) -> list[bytes | memoryview]:
         part, self._json = bytes(self._json), bytearray()
         check_json(part)
+        if self._shapes:  # the JSON part is the whole decoded body when no header said its length
+            check_shapes(part, len(part) if self._wanted is None else self._carried)
         held, self._held = self._held, []
         return [part, *held] if part and self.inflation is None else held  # (an empty chunk would end a chunked body)
 
@@ -271,6 +368,18 @@ class InferBodyCheck:
         if self._held_bytes > self._limit + _HELD_SLACK:
             raise BodyRefused(413, _too_large(self._limit), "too_large")
         self._held.append(payload)
+
+
+def _carried(compressed: bool, content_length: int | None, max_body_bytes: int) -> int:
+    """The most decoded bytes a body can hold, as far as its head tells: its Content-Length when plain; when
+    compressed, what that inflates to at most (:func:`~tritonshare.proxy.inflation.inflates_too_far`); else (chunked)
+    --max-body-bytes, or when that is 0 the 2 GiB cap of compressed bodies."""
+    most = max_body_bytes or MAX_INFLATED_BYTES
+    if content_length is None:
+        return most
+    if compressed:
+        return min(most, max(INFLATE_GRACE_BYTES, MAX_INFLATE_RATIO * content_length))
+    return content_length
 
 
 def inflation_for(encoding: str, max_body_bytes: int = 0) -> BodyInflation | None:

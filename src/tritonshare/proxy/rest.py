@@ -88,6 +88,7 @@ class Judged:
     route: str
     upstream: bytes  # the head for Triton (forwarded requests only)
     inspect: bool  # the body is an infer request to check
+    shapes: bool  # ... and its input shapes too (the infer route: see inspect.check_shapes)
     json_length: int | None  # JSON bytes at the start of the decoded body; None: all; 0: none (raw binary)
     whole: bool  # forwarded with a plain Content-Length body: if it came with the head, one write
     limited: bool  # takes an admission slot (when admission control is on)
@@ -134,8 +135,8 @@ def judge_head(
         decision = RestDecision(413, route, body_too_large(rules.max_body_bytes))
     if decision.status:
         return Judged(
-            head, decision, route, b"", False, None, False, limited, metered, open_, False, False, length, meter,
-            False, None,
+            head, decision, route, b"", False, False, None, False, limited, metered, open_, False, False, length,
+            meter, False, None,
         )  # fmt: skip
     probe = probes.get(decision.rule.verdict) if probes is not None and decision.rule is not None else None
     inspect = decision.rule is not None and decision.rule.inspect and head.has_body
@@ -154,8 +155,8 @@ def judge_head(
     upstream = upstream_head(head, decision.upstream_path, rules.host)
     verbatim = upstream == raw + b"\r\n\r\n"
     return Judged(
-        head, decision, route, upstream, inspect, json_length, whole, limited, metered, open_, gated, quick, length,
-        meter, verbatim, probe,
+        head, decision, route, upstream, inspect, inspect and route == "infer", json_length, whole, limited, metered,
+        open_, gated, quick, length, meter, verbatim, probe,
     )  # fmt: skip
 
 

@@ -213,7 +213,7 @@ class RequestPath:
         body = rest if len(rest) == size else rest[:size]
         if judged.inspect:
             try:
-                check_plain_body(body, judged.json_length, self.fe.rules.max_json_bytes)
+                check_plain_body(body, judged.json_length, self.fe.rules.max_json_bytes, shapes=judged.shapes)
             except BodyRefused as exc:
                 self._refuse(ex, exc.status, exc.message, exc.reason, close=exc.status == 413)
                 return rest  # the body is read and dropped
@@ -240,6 +240,7 @@ class RequestPath:
                         max_json_bytes=self.fe.rules.max_json_bytes,
                         max_body_bytes=max_body_bytes,
                         content_length=None if head.chunked else judged.length,
+                        shapes=judged.shapes,
                     )
                 else:  # a raw binary body: nothing to check but how far it inflates (Triton inflates it too)
                     inflation = inflation_for(head.content_encoding, max_body_bytes)
