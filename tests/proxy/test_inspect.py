@@ -500,13 +500,16 @@ def test_an_escaped_spelling_of_the_key_is_seen() -> None:
     assert _refused(check_shapes, escaped, len(escaped)).reason == "shape"
 
 
+_BINARY = (
+    b'{"inputs":[{"name":"INPUT0","datatype":"FP32","shape":[300000000],"parameters":{"binary_data_size":1200000000}}]}'
+)
+
+
 @pytest.mark.parametrize("encoding", ["", "gzip"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 def test_streamed_bodies_bound_shapes_by_what_their_head_says_they_can_carry(encoding: str, chunked: bool) -> None:
-    header = _declaring("[300000000]", data='[], "parameters": {"binary_data_size": 1200000000}')
-    payload = gzip.compress(header) if encoding else header
-
-    def judged(max_body_bytes: int) -> BodyRefused | None:
+    def judged(header: bytes, max_body_bytes: int) -> str:
+        payload = gzip.compress(header) if encoding else header
         check = InferBodyCheck(
             encoding=encoding,
             json_length=len(header),
@@ -519,12 +522,33 @@ def test_streamed_bodies_bound_shapes_by_what_their_head_says_they_can_carry(enc
             if check.feed(payload) is None:
                 check.finish()
         except BodyRefused as exc:
-            return exc
-        return None
+            return exc.reason
+        return "passed"
 
-    refused = judged(1 << 30)
-    if chunked:  # its length is unknown: bounded by --max-body-bytes (1 GiB is more than 300 M elements)
-        assert refused is None
-        refused = judged(1 << 28)
-    # else its Content-Length (times the inflate ratio when compressed) is far less
-    assert refused is not None and refused.reason == "shape"
+    # A binary input, bounded by the body: its Content-Length (times the inflate ratio when compressed), else
+    # --max-body-bytes (1 GiB is more than 300 M elements, 256 MiB less).
+    assert judged(_BINARY, 1 << 30) == ("passed" if chunked else "shape")
+    assert judged(_BINARY, 1 << 28) == "shape"
+    # An input with inline data (Triton sizes it from the shape): never more than the JSON part holds.
+    assert judged(_declaring("[300000000]"), 1 << 30) == "shape"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"inputs":[{"shape":[1],"shape":[2000000],"data":[1]}]}',  # rapidjson reads the first: every one counts
+        b'{"inputs":[{"shape":[2000000],"\\u0064ata":[1]}]}',  # the key's escaped spelling
+        b'{"inputs":[{"shape":[2000000],"data":[1]}]' + b" " * (1 << 20) + b"}",  # too large to parse: refused
+        b'{"inputs":[{"shape":[2000000],"data":[Inf]}]}',  # not JSON to Python (maybe to rapidjson): refused
+    ],
+)
+def test_a_body_of_unknown_length_bounds_inline_data_by_its_json(body: bytes) -> None:
+    assert _refused(check_shapes, body, 1 << 30, exact=False).reason in ("shape", "bad_json")
+    check_shapes(body, 1 << 30)  # (a body known to be that long can carry it)
+
+
+def test_a_body_of_unknown_length_passes_binary_inputs_larger_than_its_json() -> None:
+    check_shapes(_BINARY, 1 << 30, exact=False)
+    check_shapes(
+        b'{"inputs":[{"shape":[2000000],"parameters":{"binary_data_size":8000000}}],"data":1}', 1 << 30, exact=False
+    )

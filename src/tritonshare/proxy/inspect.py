@@ -225,9 +225,14 @@ def long_shapes(data: bytes, pos: int = 0) -> bool:
     return False
 
 
-def check_shapes(part: bytes, carried: int) -> None:
+def check_shapes(part: bytes, carried: int, *, exact: bool = True) -> None:
     """Raise :class:`BodyRefused` when an input's shape in this infer JSON declares more elements than a body of
-    ``carried`` decoded bytes (or :data:`SHAPE_FLOOR`) can hold. Every ``"shape"`` key counts, wherever it is."""
+    ``carried`` decoded bytes (or :data:`SHAPE_FLOOR`) can hold. Every ``"shape"`` key counts, wherever it is.
+
+    ``exact``: the body is ``carried`` bytes. When it is only at most that (chunked, or compressed), a shape
+    larger than the JSON part itself must be of an input whose data is binary: an object with a ``"data"`` key
+    (which Triton sizes from the shape) may declare no more elements than the JSON part has bytes
+    (:func:`_check_inline_data`)."""
     if ESCAPE in part:
         arrays = [match[1] for match in _SPELLED_SHAPE.finditer(part)]
     else:
@@ -238,15 +243,66 @@ def check_shapes(part: bytes, carried: int) -> None:
             if match is not None:
                 arrays.append(match[1])
             pos = part.find(SHAPE_KEY, pos + len(SHAPE_KEY))
-    bound = max(carried, SHAPE_FLOOR)
+    bound, inline = max(carried, SHAPE_FLOOR), max(len(part), SHAPE_FLOOR)
+    beyond_part = False
     for dims in arrays:
-        if len(dims.translate(None, _NOT_DIGITS)) > _QUICK_SHAPE_DIGITS and _elements(dims) > bound:
-            raise BodyRefused(
-                400,
-                f"an input's shape [{clip(dims)}] declares more elements than the body can carry ({carried} bytes): "
-                "Triton would allocate them before reading the data",
-                "shape",
-            )
+        if len(dims.translate(None, _NOT_DIGITS)) <= _QUICK_SHAPE_DIGITS:
+            continue
+        count = _elements(dims)
+        if count > bound:
+            raise _oversized(clip(dims), f"the body can carry ({carried} bytes)")
+        beyond_part = beyond_part or count > inline
+    if beyond_part and not exact:
+        _check_inline_data(part, inline)
+
+
+_INLINE_PARSE_BYTES = 1 << 20  # a JSON part parsed to tell inline-data inputs from binary ones, at most
+
+
+class _Oversized(Exception):
+    """An object with inline data declares a shape larger than the JSON part (raised from the parser's hook)."""
+
+
+def _check_inline_data(part: bytes, inline: int) -> None:
+    """Refuse the JSON part if an object holding a ``"data"`` key has a ``"shape"`` (any of them: duplicates
+    count, as rapidjson reads the first) of more than ``inline`` elements; or if it cannot be read so (too
+    large, or not JSON to Python: it might be to rapidjson)."""
+    if len(part) > _INLINE_PARSE_BYTES:
+        raise _oversized("…", f"a JSON part this large ({len(part)} bytes, in a body of unknown length) is checked")
+
+    def hook(pairs: list[tuple[str, object]]) -> None:  # objects are not kept: only their shapes are looked at
+        if any(key == "data" for key, _ in pairs):
+            for key, value in pairs:
+                if key == "shape" and _count(value) > inline:
+                    raise _Oversized(json.dumps(value))
+
+    try:
+        json.loads(part, object_pairs_hook=hook)
+    except _Oversized as exc:
+        raise _oversized(clip(str(exc)[1:-1].encode()), f"its JSON data holds ({len(part)} bytes)") from None
+    except ValueError:  # (json.JSONDecodeError, UnicodeDecodeError)
+        raise BodyRefused(400, "the request's JSON cannot be read to check its input shapes", "bad_json") from None
+
+
+def _count(value: object) -> int:
+    """The element count of a parsed shape; 0 for what Triton does not take as one."""
+    if not isinstance(value, list):
+        return 0
+    count = 1
+    for dim in value:
+        if type(dim) is not int or dim < 0:
+            return 0
+        count = min(count * dim, _TOO_MANY)
+    return count
+
+
+def _oversized(shape: str, what: str) -> BodyRefused:
+    return BodyRefused(
+        400,
+        f"an input's shape [{shape}] declares more elements than {what}: Triton would allocate them before "
+        "reading the data",
+        "shape",
+    )
 
 
 def _elements(dims: bytes) -> int:
@@ -306,6 +362,7 @@ class InferBodyCheck:
         checked too (:func:`check_shapes`)."""
         self.inflation = inflation_for(encoding, max_body_bytes)  # RequestBody goes on with it past the JSON part
         self._shapes = shapes
+        self._length = content_length
         self._carried = _carried(self.inflation is not None, content_length, max_body_bytes)
         # The JSON part's length, when the head tells it: Inference-Header-Content-Length (of the decoded body),
         # or the Content-Length of a plain body that is all JSON; None: known only as it arrives.
@@ -358,7 +415,10 @@ class InferBodyCheck:
         part, self._json = bytes(self._json), bytearray()
         check_json(part)
         if self._shapes:  # the JSON part is the whole decoded body when no header said its length
-            check_shapes(part, len(part) if self._wanted is None else self._carried)
+            if self._wanted is None:
+                check_shapes(part, len(part))
+            else:
+                check_shapes(part, self._carried, exact=self.inflation is None and self._length is not None)
         held, self._held = self._held, []
         return [part, *held] if part and self.inflation is None else held  # (an empty chunk would end a chunked body)
 
