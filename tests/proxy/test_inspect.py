@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tritonshare.proxy.http1 import ChunkedReader
@@ -484,6 +484,35 @@ def test_shapes_within_the_floor_or_of_no_elements_or_not_numbers_pass(shape: st
 def test_quick_shapes_are_not_parsed_and_the_check_is_off_for_other_routes() -> None:
     assert not long_shapes(_declaring("[1, 16]") + _declaring("[999999]"))
     check_plain_body(_declaring("[10000000000]"), None, 1 << 20)  # generate: shapes are not declared there
+
+
+_SHAPE_PIECES = st.lists(
+    st.one_of(
+        st.text(alphabet="0123456789", min_size=1, max_size=8).map(str.encode),
+        st.sampled_from([b":", b"[", b"]", b",", b" ", b"\n", b'"shape"', b'"data"', b"x" * 70]),
+    ),
+    max_size=16,
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.binary(max_size=8), _SHAPE_PIECES, st.integers(0, 12))
+@example(b"", [b"1234567", b"]"], 0)
+@example(b"", [b"]", b"1234567"], 0)
+@example(b"", [b":", b"[", b"1234567", b"]"], 0)
+@example(b"", [b":", b"[", b"123456", b"]"], 0)
+@example(b"", [b":", b"[", b"1", b",", b"23", b",", b"4567", b"]"], 0)
+@example(b"", [b"x" * 70, b"1234567", b"]"], 0)
+@example(b"", [b"]", b"1234567", b"]"], 0)
+@example(b"", [b"]", b'"shape"', b"1234567"], 0)
+def test_long_shapes_counts_a_shapes_digits_as_they_stand(prefix: bytes, pieces: list[bytes], pos: int) -> None:
+    """The short path's answer is more than six digits between some ``"shape"`` (from ``pos`` on) and the next
+    ``]`` (or the end), however the bytes fall: a ']' near or far, or none; digits split by anything."""
+    data = prefix + b'"shape"' + b"".join(pieces)
+    keys = [at for at in range(pos, len(data)) if data.startswith(b'"shape"', at)]
+    windows = [data[at + 7 :].split(b"]", 1)[0] for at in keys]  # up to the next ']', or the end
+    long = any(sum(byte in b"0123456789" for byte in window) > 6 for window in windows)
+    assert long_shapes(data, pos) == long
 
 
 def test_a_shape_is_bounded_by_the_whole_body_binary_tensors_included() -> None:
