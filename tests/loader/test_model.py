@@ -476,3 +476,26 @@ def test_a_disk_that_fills_before_the_config_gets_its_name_is_insufficient_space
     assert str(info.value) == (
         f"s3://b/m: writing {top / 'config.pbtxt'}: the filesystem is full — free space on the node"
     )
+
+
+@pytest.mark.parametrize(
+    "folder",
+    ["9223372036854775808", "99999999999999999999", " 99999999999999999999", "+9223372036854775808x",
+     "-9223372036854775809"],
+)  # fmt: skip
+def test_a_folder_triton_would_read_as_a_number_beyond_int64_is_refused(tmp_path: Path, folder: str) -> None:
+    """std::stoll, as Triton reads a sub-folder's name, skips white space, takes a sign and stops at the first
+    non-digit; beyond int64 it throws what Triton 2.51 does not catch (it aborts)."""
+    write_model(tmp_path / "m")
+    (tmp_path / "m" / folder).mkdir()
+    with pytest.raises(InvalidModel, match="int64"):
+        prepare(tmp_path / "m", "mine", "s3://b/m")
+
+
+@pytest.mark.parametrize("folder", ["9223372036854775807", "-9223372036854775808", "0999999999999999999999", "x9" * 20])
+def test_folders_triton_reads_without_aborting_are_let_through(tmp_path: Path, folder: str) -> None:
+    """int64's own bounds fit; a leading zero makes Triton skip the folder before reading it; a name not
+    starting with a number is no version."""
+    write_model(tmp_path / "m")
+    (tmp_path / "m" / folder).mkdir()
+    assert prepare(tmp_path / "m", "mine", "s3://b/m") == tmp_path / "m"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tarfile
 import threading
 import time
@@ -418,3 +419,46 @@ def test_a_pod_whose_load_fails_takes_its_own_install_out(
     expect_failure(TritonLoadFailed, ExitCode.TRITON_LOAD_FAILED, r"this model refuses to load",
                    layout, settings(layout, triton, source, model_name, holder=POD_A))  # fmt: skip
     assert LeaseStore(layout.leases).leases(model_name) == []
+
+
+@pytest.mark.parametrize(
+    "folders",
+    [("99999999999999999999",), ("1", "99999999999999999999"), ("1", "-99999999999999999999x")],
+    ids=["beyond-int64", "beside-version-1", "signed-with-a-suffix"],
+)
+def test_a_folder_triton_would_read_as_a_version_beyond_int64_is_refused_and_triton_lives_on(
+    tmp_path: Path, model_name: str, folders: tuple[str, ...]
+) -> None:
+    """Triton 2.51 reads a model's sub-folder names with std::stoll and catches only invalid_argument: a name
+    whose leading number does not fit in int64 (``99999999999999999999``, ``-99999999999999999999x``) aborts the
+    whole server at its next poll (std::out_of_range, SIGABRT) — every tenant of the node down, and again at each
+    restart, as the folder stays in its repository. The loader must refuse such a model (exit 10) before
+    publishing it. A Triton of its own: the shared one must not die when this fails."""
+    layout = NodeLayout(repository=tmp_path / "models", staging=tmp_path / "staging", leases=tmp_path / "leases")
+    layout.repository.mkdir()
+    layout.staging.mkdir()
+    source = write_model(tmp_path / "m")
+    (source / "1").rename(source / "weights")
+    for folder in folders:
+        shutil.copytree(source / "weights", source / folder)
+    own = TritonServer(repository=layout.repository, log_path=tmp_path / "triton.log").start()
+    try:
+        conf = settings(layout, own, source, model_name, timeout_s=5.0)
+        error = expect_failure(InvalidModel, ExitCode.SOURCE_PERMANENT, "99999999999999999999", layout, conf)
+        assert "int64" in str(error)
+        time.sleep(2.5)  # two of Triton's polls
+        assert own.live(), f"Triton died:\n{own.log_tail(10)}"
+    finally:
+        own.stop()
+
+
+def test_a_model_whose_only_version_folder_triton_ignores_is_refused_before_publishing(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    """Triton ignores a version folder whose name has a leading zero (``01/``): a model with no other is never
+    loaded, and its index does not even list it — the load waited its whole deadline and blamed Triton's
+    --model-repository (exit 13). The loader knows it before publishing: exit 10, saying why."""
+    source = write_model(tmp_path / "m")
+    (source / "1").rename(source / "01")
+    expect_failure(InvalidModel, ExitCode.SOURCE_PERMANENT, r"01/.*leading zero",
+                   layout, settings(layout, triton, source, model_name, timeout_s=10.0))  # fmt: skip
