@@ -3,8 +3,10 @@
 1. Find the model root: the folder holding ``config.pbtxt`` or numeric version folders, unwrapping one
    extra level (an archive of ``resnet/`` rather than of its content; modelmesh-runtime-adapter#25,
    kserve#1684).
-2. Check it: at least one numeric version folder; ``config.pbtxt``, if present, is a ModelConfig Triton
-   can read. A config Triton cannot read is never loaded nor reported: POLL keeps the model name-only in
+2. Check it: at least one version folder as Triton counts them (``0``, ``1``, …: none with a leading zero),
+   and no folder Triton would read as a number beyond int64 — Triton 2.51 aborts on one (``std::stoll``'s
+   out_of_range, uncaught), every tenant's model with it; ``config.pbtxt``, if present, is a ModelConfig
+   Triton can read. A config Triton cannot read is never loaded nor reported: POLL keeps the model name-only in
    its index and only logs "Poll failed for model directory" (seen here, Triton 2.51), so the loader
    would wait for nothing until its deadline. Checking here turns that into exit 10 naming the file,
    line, column and what to change.
@@ -52,7 +54,13 @@ from tritonshare.common.repository import RECORD_FILE, disk_error
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.pbtxt"
-_VERSION = re.compile(r"[0-9]+")
+# A version folder as Triton 2.51 takes one (model_lifecycle.cc, VersionsToLoad): it skips a name of more than
+# one character beginning with '0' ("leading zeros"), then reads the rest with std::stoll.
+_VERSION = re.compile(r"0|[1-9][0-9]*")
+# What std::stoll reads from the start of a name: white space, a sign, digits; it stops at the first other
+# character. A number beyond int64 throws std::out_of_range, which Triton does not catch: the server aborts.
+_STOLL = re.compile(r"[ \t\n\v\f\r]*(?P<number>[+-]?[0-9]+)")
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _IGNORED = re.compile(r"\..*|__MACOSX")  # hidden files and macOS archive debris never make a wrapper
 
 # The tokens of protobuf's text format as the C++ tokenizer reads them (whitespace is ASCII only there).
@@ -273,7 +281,40 @@ def is_model_dir(path: Path) -> bool:
 
 
 def version_dirs(path: Path) -> list[Path]:
-    return sorted(p for p in path.iterdir() if _VERSION.fullmatch(p.name) and p.is_dir())
+    """The folders of ``path`` Triton serves as versions."""
+    return sorted(p for p in path.iterdir() if _is_version(p.name) and p.is_dir())
+
+
+def _is_version(name: str) -> bool:
+    return bool(_VERSION.fullmatch(name)) and int(name) <= INT64_MAX
+
+
+def _aborts_triton(name: str) -> bool:
+    """Triton 2.51 aborts at its next poll on a folder of this name in a model (std::stoll's out_of_range)."""
+    if len(name) > 1 and name.startswith("0"):
+        return False  # skipped for its leading zero before it is read
+    m = _STOLL.match(name)
+    return m is not None and not INT64_MIN <= int(m["number"]) <= INT64_MAX
+
+
+def check_version_names(root: Path, label: str) -> None:
+    """Refuse a folder Triton would read as a number beyond int64 (it would abort, and with it every model of
+    the node, at each restart too while the folder stays); say which folders Triton ignores when no version
+    is left."""
+    folders = [p.name for p in root.iterdir() if p.is_dir()]
+    for name in sorted(folders):
+        if _aborts_triton(name):
+            raise InvalidModel(
+                f"{label}: folder {name!r} reads to Triton as a version number beyond int64, and Triton aborts on "
+                "it (std::out_of_range), taking down every model on the node — rename or remove that folder"
+            )
+    if not version_dirs(root):
+        zeros = [f"{name}/" for name in sorted(folders) if len(name) > 1 and name[0] == "0" and name.isdigit()]
+        ignored = f" (Triton ignores {', '.join(zeros)}: a version folder's name has no leading zero)" if zeros else ""
+        raise InvalidModel(
+            f"{label}: the model has no numeric version folder (1/, 2/, …){ignored} — Triton serves only versions; "
+            "object stores keep no empty folders, so put a file such as 1/.keep in an otherwise empty one"
+        )
 
 
 def find_root(top: Path, label: str) -> Path:
@@ -304,11 +345,7 @@ def prepare(top: Path, name: str, label: str, *, lenient: bool = False) -> Path:
             f"{label}: {RECORD_FILE} is a folder or a link in the model, and the loader keeps its install record "
             "under that name — rename it"
         )
-    if not version_dirs(root):
-        raise InvalidModel(
-            f"{label}: the model has no numeric version folder (1/, 2/, …) — Triton serves only versions; "
-            "object stores keep no empty folders, so put a file such as 1/.keep in an otherwise empty one"
-        )
+    check_version_names(root, label)
     config = root / CONFIG_FILE
     if config.is_file():
         where = f"{label}: {config.relative_to(top).as_posix()}"
