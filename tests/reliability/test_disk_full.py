@@ -142,3 +142,22 @@ def test_a_disk_that_fills_between_download_and_publish_is_insufficient_space(
     with pytest.raises(InsufficientSpace, match="full"):
         run(settings, open_source=_FillsAfterTheLastObject)
     assert entries(small_disk) == set()
+
+
+def test_a_load_that_finds_the_disk_full_when_taking_its_lease_exits_15(
+    small_disk: Node, triton: TritonServer, model_name: str, tmp_path: Path
+) -> None:
+    """The lease folder lies on the node's disk beside the repository (one hostPath): on a full disk the lease
+    cannot be written, and the loader must say the disk is full (exit 15, "free space on the node") — not call
+    it a usage error (exit 2) telling the user to mount the node folder read-write, which it is."""
+    source = write_model(tmp_path / "m")
+    fill(small_disk.root / "another-pod.bin", leave_bytes=0)
+    outcome = run_load(
+        small_disk, triton.url, str(source), model_name,
+        "--pod-uid", "pod-a", "--leases", str(small_disk.leases), "--timeout-s", "5",
+    )  # fmt: skip
+    assert_refused_for_space(
+        small_disk, outcome.code, outcome.message, "the filesystem is full — free space on the node"
+    )
+    assert "read-write" not in outcome.message
+    assert not list(small_disk.leases.glob(f"{model_name}/*")), "a lease or its temporary file stayed"
