@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import fcntl
 import json
 import logging
@@ -42,7 +43,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tritonshare.common.errors import UsageError
+from tritonshare.common.errors import InsufficientSpace, TritonshareError, UsageError
 from tritonshare.common.layout import DEFAULT_LEASES, check_model_name, is_model_name
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,10 @@ class LeaseStore:
                 path.parent.mkdir(exist_ok=True)
                 _write_atomic(path, _encode(lease), mtime=now)
         except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the node folder is writable: its disk is full
+                raise InsufficientSpace(
+                    f"cannot write the lease {path}: the filesystem is full — free space on the node"
+                ) from exc
             raise UsageError(
                 f"cannot write the lease {path}: {exc} — mount the node folder read-write in this container"
             ) from exc
@@ -262,7 +267,7 @@ class Heartbeat:
                 self.store.ttl_s,
             )
             self.store.acquire(lease.name, lease.holder, source=lease.source, digest=lease.digest)
-        except (OSError, UsageError) as exc:
+        except (OSError, TritonshareError) as exc:  # a full disk too: the next beat tries again
             logger.warning("could not refresh the lease of %s on %s: %s", lease.holder, lease.name, exc)
 
     def _run(self) -> None:
