@@ -462,3 +462,21 @@ def test_a_model_whose_only_version_folder_triton_ignores_is_refused_before_publ
     (source / "1").rename(source / "01")
     expect_failure(InvalidModel, ExitCode.SOURCE_PERMANENT, r"01/.*leading zero",
                    layout, settings(layout, triton, source, model_name, timeout_s=10.0))  # fmt: skip
+
+
+def test_a_link_to_nothing_where_the_folder_would_be_is_a_conflict_found_before_downloading(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A link in the repository is an operator's (a linked model), even one whose target is gone (an unmounted
+    volume): NAME is taken. The loader took the name for free (``exists()`` follows links), downloaded the
+    whole model, then failed to rename onto the link with ENOTDIR — exit 1, "check the node's disk"."""
+    caplog.set_level(logging.INFO, logger="tritonshare")
+    link = layout.model_dir(model_name)
+    os.symlink(tmp_path / "unmounted", link)
+    try:
+        expect_failure(InstallConflict, ExitCode.INSTALL_CONFLICT, r"exists but was not installed by tritonshare",
+                       layout, settings(layout, triton, write_model(tmp_path / "m"), model_name))  # fmt: skip
+        assert "phase download" not in caplog.text
+        assert os.readlink(link) == str(tmp_path / "unmounted")  # the operator's link stays as it was
+    finally:
+        link.unlink()
