@@ -118,7 +118,7 @@ def publish(layout: NodeLayout, staged: Path, name: str) -> Path:
     existing folder (``rename`` onto a non-empty directory fails, and onto an empty one we check first)."""
     target = layout.model_dir(name)
     flush_tree(staged)
-    if target.exists():  # checked after the flush, which may take seconds, as close to the rename as can be
+    if os.path.lexists(target):  # checked after the flush, which may take seconds, as close to the rename as can be
         raise InstallConflict(_installing(target, name))
     try:
         os.rename(staged, target)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ def existing(layout: NodeLayout, wanted: InstallRecord, *, users: Sequence[str] 
     """The record of ``repository/NAME`` when it holds this very install; None when NAME is free.
     Raises InstallConflict when it holds anything else, naming ``users`` (the pods that hold it) if given."""
     target = layout.model_dir(wanted.name)
-    if not target.exists():
+    if not os.path.lexists(target):  # a link to nothing holds NAME too: an operator's, whose volume is gone
         return None
     found = read_record(target)
     if found is not None and found.same_content(wanted):
