@@ -480,3 +480,18 @@ def test_a_link_to_nothing_where_the_folder_would_be_is_a_conflict_found_before_
         assert os.readlink(link) == str(tmp_path / "unmounted")  # the operator's link stays as it was
     finally:
         link.unlink()
+
+
+def test_a_local_model_whose_version_folder_is_a_link_inside_it_is_installed_whole_and_served(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
+) -> None:
+    """A volume's model whose ``1`` links to ``v1`` beside it: the loader listed the link but not what it led
+    to, and refused the model for having no version folder (exit 10) though it has one."""
+    source = write_model(tmp_path / "m")
+    (source / "1").rename(source / "v1")
+    os.symlink("v1", source / "1")
+    cleanup.append(model_name)
+    run(settings(layout, triton, source, model_name))
+    installed = layout.model_dir(model_name) / "1"
+    assert installed.is_dir() and not installed.is_symlink()  # the files themselves, not a link into the volume
+    infer_identity(triton, model_name)

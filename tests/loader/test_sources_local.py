@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tritonshare.common.errors import SourceNotFound, UnsafeArchive, UsageError
+from tritonshare.common.errors import SourceError, SourceNotFound, UnsafeArchive, UsageError
 from tritonshare.loader.sources import open_source
 from tritonshare.loader.sources.local import LocalSource
 
@@ -62,6 +62,32 @@ def test_a_link_inside_the_folder_is_followed(tmp_path: Path) -> None:
     os.symlink("1/weights.bin", tmp_path / "m" / "alias.bin")
     objects = LocalSource(str(tmp_path / "m")).list()
     assert sorted((o.relpath, o.size) for o in objects) == [("1/weights.bin", 10), ("alias.bin", 10)]
+
+
+def test_a_link_to_a_folder_inside_is_followed_like_a_link_to_a_file(tmp_path: Path) -> None:
+    """``2 -> 1`` (one set of weights served as two versions), ``1 -> v1``: the folder's files are listed under
+    the link's name too. They were dropped without a word, so the model installed lacked those versions."""
+    write(tmp_path / "m" / "1" / "weights.bin", b"w" * 10)
+    os.symlink("1", tmp_path / "m" / "2")
+    objects = LocalSource(str(tmp_path / "m")).list()
+    assert sorted((o.relpath, o.size) for o in objects) == [("1/weights.bin", 10), ("2/weights.bin", 10)]
+
+
+@pytest.mark.parametrize("link", [".", "..", "../.."], ids=["itself", "its-parent", "the-model-folder"])
+def test_a_link_to_a_folder_holding_it_is_refused_rather_than_walked_forever(tmp_path: Path, link: str) -> None:
+    write(tmp_path / "m" / "1" / "sub" / "weights.bin", b"w")
+    os.symlink(link, tmp_path / "m" / "1" / "sub" / "loop")
+    with pytest.raises(SourceError, match=r"1/sub/loop links to a folder holding it"):
+        LocalSource(str(tmp_path / "m")).list()
+
+
+def test_two_links_leading_to_each_other_are_refused_rather_than_walked_forever(tmp_path: Path) -> None:
+    write(tmp_path / "m" / "a" / "x", b"x")
+    write(tmp_path / "m" / "b" / "y", b"y")
+    os.symlink("../b", tmp_path / "m" / "a" / "to-b")
+    os.symlink("../a", tmp_path / "m" / "b" / "to-a")
+    with pytest.raises(SourceError, match=r"links to a folder holding it"):
+        LocalSource(str(tmp_path / "m")).list()
 
 
 def test_a_host_in_a_file_uri_is_refused(tmp_path: Path) -> None:
