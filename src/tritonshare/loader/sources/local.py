@@ -12,6 +12,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from tritonshare.common.errors import (
+    InvalidModel,
     SourceAccessDenied,
     SourceError,
     SourceNotFound,
@@ -88,21 +89,38 @@ class LocalSource:
 
 
 def _walk(top: Path, uri: str) -> list[Path]:
-    """Every file under ``top``, in a stable order; refuses links that leave it."""
+    """Every file under ``top``, in a stable order, links inside it followed (a link to a folder too: its files
+    are listed under the link's name); refuses links that leave it, and links to a folder holding them."""
     root = top.resolve()
     found: list[Path] = []
-    for folder, dirs, files in os.walk(top, onerror=_raise):
+    above: dict[str, frozenset[str]] = {str(top): frozenset({str(root)})}  # real folders from top down to each
+    for folder, dirs, files in os.walk(top, onerror=_raise, followlinks=True):
         dirs.sort()
-        for name in sorted(files) + [d for d in dirs if os.path.islink(os.path.join(folder, d))]:
+        for name in dirs:
             path = Path(folder, name)
-            if path.is_symlink() and not path.resolve().is_relative_to(root):
-                raise UnsafeArchive(
-                    f"{uri}: {path} links outside the model folder (to {path.resolve()}) — "
-                    "copy the file into the folder instead"
+            real = _inside(path, root, uri)
+            if real in above[folder]:
+                raise InvalidModel(
+                    f"{uri}: {path.relative_to(top)} links to a folder holding it ({real}), so the model would never "
+                    "end — remove the link"
                 )
+            above[str(path)] = above[folder] | {real}
+        for name in sorted(files):
+            path = Path(folder, name)
+            _inside(path, root, uri)
             if path.is_file():
                 found.append(path)
     return found
+
+
+def _inside(path: Path, root: Path, uri: str) -> str:
+    """The real path of ``path``; UnsafeArchive when it is a link that leads out of ``root``."""
+    real = path.resolve()
+    if path.is_symlink() and not real.is_relative_to(root):
+        raise UnsafeArchive(
+            f"{uri}: {path} links outside the model folder (to {real}) — copy the file into the folder instead"
+        )
+    return str(real)
 
 
 def _raise(exc: OSError) -> None:
