@@ -19,11 +19,15 @@ import pytest
 from tests.support.models import SLOW_START_MODEL, write_model
 from tests.support.storage import CrawlingHttpServer, Fault, big_model
 from tests.support.triton import REPO_ROOT, TritonServer
+from tritonshare.common import repository
+from tritonshare.common.command import run_command
 from tritonshare.common.errors import ExitCode
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import Holder, LeaseStore
 from tritonshare.common.repository import read_record
 from tritonshare.common.triton import TritonClient
+from tritonshare.loader.run import run
+from tritonshare.loader.settings import LoaderSettings
 
 pytestmark = [pytest.mark.triton, pytest.mark.storage]
 
@@ -166,3 +170,34 @@ def test_sigterm_while_triton_loads_leaves_the_install_abandoned_to_the_next_pod
     assert second.start().wait(timeout=90) == ExitCode.OK, second.stderr.read_text()
     assert read_record(layout.model_dir(model_name)).source == str(new)  # type: ignore[union-attr]
     assert [lease.holder.uid for lease in LeaseStore(layout.leases).leases(model_name)] == [second.pod_uid]
+
+
+def test_sigterm_as_the_publishing_rename_lands_gives_the_install_up_like_a_sigterm_while_triton_loads(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The signal comes just after the rename that publishes (here: as the repository folder is flushed, the
+    fault injected at that OS call). The folder this loader published stays, so its lease must be left
+    expired (given up), as after a SIGTERM while Triton loads — it was dropped instead, as if nothing had been
+    published, and a recent folder without a lease is kept a TTL by gc and refused to the next pod's loader.
+    In this process, as ``tritonshare load`` runs it (run_command's signal handlers), for the timing."""
+    flush = repository._flush_repository
+
+    def pod_deleted_as_the_rename_lands(folder: Path) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        flush(folder)
+
+    monkeypatch.setattr(repository, "_flush_repository", pod_deleted_as_the_rename_lands)
+    holder = Holder(uid=f"pod-{uuid.uuid4().hex[:8]}")
+    conf = LoaderSettings(
+        source=str(write_model(tmp_path / "m")), name=model_name, layout=layout, triton_url=triton.url,
+        holder=holder, termination_log=tmp_path / "termination", timeout_s=60,
+    )  # fmt: skip
+    cleanup.append(model_name)
+    with pytest.raises(SystemExit) as ended:
+        run_command(lambda: run(conf), termination_log=conf.termination_log)
+    assert ended.value.code == ExitCode.TERMINATED
+    assert layout.model_dir(model_name).is_dir() and staged(layout, model_name) == []
+    leases = LeaseStore(layout.leases)
+    assert [lease.holder.uid for lease in leases.leases(model_name)] == [holder.uid], "the lease was dropped"
+    assert leases.expired(model_name) == leases.leases(model_name)  # given up: abandoned at once to gc
