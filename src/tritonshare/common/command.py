@@ -189,6 +189,29 @@ def _usage_errors_reported(args: list[str]) -> Iterator[None]:
 _Handler = Callable[[int, FrameType | None], Any] | int | None  # what signal.signal takes and returns
 
 _activities: list[str] = []  # what the command is doing, innermost last (main thread only)
+_holding: list[int] = []  # one entry per held_stops block the main thread is in
+_deferred: list[int] = []  # stop signals that came meanwhile
+
+
+@contextmanager
+def held_stops() -> Iterator[None]:
+    """A stop signal that comes within waits for the block's end, and stops the command there: for a step
+    that must not be cut from what records it (the loader's publishing rename, and its note that it published,
+    which decides whether the lease is given up or dropped). Outside the main thread, where no signal is
+    raised, a plain block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _holding.append(1)
+    try:
+        yield
+    finally:
+        _holding.pop()
+        if not _holding and _deferred:
+            signum = _deferred[0]
+            _deferred.clear()
+            _ignore_stop_signals()  # a second signal must not cut the clean-up short
+            raise Stopped(signum, _activities[-1] if _activities else "")  # the pod goes: it wins over a failure
 
 
 @contextmanager
@@ -277,6 +300,9 @@ def _stop_signals(enabled: bool) -> Iterator[None]:
 def _raise_stopped(signum: int, frame: FrameType | None) -> None:
     if _event_loop_running():
         _default(signum, frame)
+        return
+    if _holding:
+        _deferred.append(signum)  # raised at the end of the held_stops block
         return
     _ignore_stop_signals()  # a second signal must not cut the clean-up short
     raise Stopped(signum, _activities[-1] if _activities else "")

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tritonshare.common.command import doing
+from tritonshare.common.command import doing, held_stops
 from tritonshare.common.errors import (
     ExitCode,
     InstallConflict,
@@ -144,8 +144,7 @@ def run(
     with timings.phase("triton"):
         wait_live(client, timeout_s=settings.timeout_s, interval_s=settings.poll_interval_s, sleep=timings.stop.sleep)
     with holding_lease(settings) as held:
-        installed = _fetch_and_install(settings, client, timings, disk_free, open_source)
-        held.published = not installed.reused
+        installed = _fetch_and_install(settings, client, timings, disk_free, open_source, held)
         _await_ready(settings, client, installed, timings)
     logger.info("%s is ready (%s): %s", settings.name, "reused" if installed.reused else "installed", timings.summary())
     return ExitCode.OK
@@ -184,7 +183,12 @@ def holding_lease(settings: LoaderSettings) -> Iterator[Held]:
 
 
 def _fetch_and_install(
-    settings: LoaderSettings, client: TritonClient, timings: Timings, free: DiskFree, open_source: SourceOpener
+    settings: LoaderSettings,
+    client: TritonClient,
+    timings: Timings,
+    free: DiskFree,
+    open_source: SourceOpener,
+    held: Held,
 ) -> Installed:
     with _opened(open_source, settings.source, timings.stop) as source:
         options = DownloadOptions.from_settings(settings)
@@ -207,7 +211,7 @@ def _fetch_and_install(
         _check_gpu_memory(settings, record.source, timings)  # before downloading: a crash loop must not re-download
         with timings.phase("space"):
             check_space(settings.layout.staging, listed_bytes(objects), free, record.source)
-        return _stage(settings, client, source, objects, record, options, timings, free)
+        return _stage(settings, client, source, objects, record, options, timings, free, held)
 
 
 @contextmanager
@@ -246,9 +250,10 @@ def _stage(
     options: DownloadOptions,
     timings: Timings,
     free: DiskFree,
+    held: Held,
 ) -> Installed:
     """Fetch into a fresh staging folder, check, publish (in poll mode once Triton no longer serves an earlier
-    NAME: :func:`readiness.wait_unserved`); the folder goes whatever happens."""
+    NAME: :func:`readiness.wait_unserved`), noting in ``held`` whether it did; the folder goes whatever happens."""
     workspace = new_staging_dir(settings.layout, settings.name)
     try:
         top = _fetch(_Fetch(source, objects, options, workspace, free, timings))
@@ -259,8 +264,11 @@ def _stage(
             before = BEFORE_PUBLISH[settings.mode]
             folder = settings.layout.model_dir(settings.name)
             before(client, settings.name, folder, timeout_s=settings.timeout_s, sleep=timings.stop.sleep)
-            with timings.stop.publishing():  # a stop asked from now on waits for the rename
-                return install(settings.layout, root, record)
+            # a stop asked from now on (a signal too) waits for the rename and the note that it was made
+            with timings.stop.publishing(), held_stops():
+                installed = install(settings.layout, root, record)
+                held.published = not installed.reused
+                return installed
     finally:
         discard(workspace)
 
