@@ -495,3 +495,32 @@ def test_a_local_model_whose_version_folder_is_a_link_inside_it_is_installed_who
     installed = layout.model_dir(model_name) / "1"
     assert installed.is_dir() and not installed.is_symlink()  # the files themselves, not a link into the volume
     infer_identity(triton, model_name)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    ["version_policy { specific { versions: [5] } }", "version_policy { latest { num_versions: 0 } }"],
+    ids=["specific-version-absent", "latest-none"],
+)
+def test_a_model_whose_version_policy_leaves_triton_no_version_is_refused_before_publishing(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, policy: str
+) -> None:
+    """Triton fails such a model at every poll ("at least one version must be available under the version
+    policy") without listing it in its index: the load waited out its whole deadline and blamed Triton's
+    --model-repository (exit 13). The loader can tell from the config and the folders: exit 10, saying so."""
+    source = write_model(tmp_path / "m")
+    (source / "config.pbtxt").write_text((source / "config.pbtxt").read_text() + policy + "\n")
+    expect_failure(InvalidModel, ExitCode.SOURCE_PERMANENT, r"version policy .* no version",
+                   layout, settings(layout, triton, source, model_name, timeout_s=10.0))  # fmt: skip
+
+
+def test_a_model_whose_version_policy_names_a_version_it_has_is_served(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, cleanup: list[str]
+) -> None:
+    source = write_model(tmp_path / "m")
+    shutil.copytree(source / "1", source / "3")
+    text = (source / "config.pbtxt").read_text()
+    (source / "config.pbtxt").write_text(text + "version_policy { specific { versions: [3, 7] } }\n")
+    cleanup.append(model_name)
+    run(settings(layout, triton, source, model_name))
+    infer_identity(triton, model_name)
