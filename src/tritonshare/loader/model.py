@@ -155,7 +155,7 @@ def check_schema(config: ConfigText, *, lenient: bool = False) -> None:
     """Parse ``config`` into Triton's ModelConfig as Triton does; refuse it with protobuf's reason, made
     specific where it can be (the field or enum value meant, the values there are). ``lenient``: a field the
     schema does not know is let through (logged), the rest checked as strictly."""
-    from google.protobuf import text_format  # the loader's only protobuf use: imported when needed
+    from google.protobuf import text_format  # the loader's only protobuf uses: imported when needed
 
     from tritonshare.loader import model_config_pb2
 
@@ -351,11 +351,50 @@ def prepare(top: Path, name: str, label: str, *, lenient: bool = False) -> Path:
         where = f"{label}: {config.relative_to(top).as_posix()}"
         text = _read_text(config, where)
         named = with_name(text, name, where, lenient=lenient)
+        check_version_policy(root, named, where)
         with _editing(label, f"writing {config}"):
             _replace_text(config, named)
     with _editing(label, f"blocking bytecode in {root}"):
         block_bytecode(root)
     return root
+
+
+def check_version_policy(root: Path, text: str, where: str) -> None:
+    """Refuse a config (``text``, already checked) whose ``version_policy`` leaves Triton none of the model's
+    version folders to load, chosen as Triton 2.51 chooses them (VersionsToLoad): Triton then fails the model at
+    every poll ("at least one version must be available under the version policy") without listing it in its
+    index, so a load would wait out its deadline and blame Triton's repository (seen here)."""
+    from google.protobuf import text_format  # imported when needed, as in check_schema
+
+    from tritonshare.loader import model_config_pb2
+
+    config: Any = model_config_pb2.ModelConfig()  # generated, untyped
+    text_format.Parse(text, config, allow_unknown_field=True)
+    policy, existing = config.version_policy, _triton_versions(root)
+    kind = policy.WhichOneof("policy_choice")
+    if kind == "specific":
+        chosen, said = existing & set(policy.specific.versions), f"specific versions {list(policy.specific.versions)}"
+    elif kind == "all":
+        chosen, said = existing, "all"
+    else:  # latest, Triton's default with one version
+        count = policy.latest.num_versions if kind == "latest" else 1
+        chosen, said = set(sorted(existing, reverse=True)[:count]), f"the latest {count}"
+    if not chosen:
+        raise InvalidModel(
+            f"{where}: its version policy ({said}) leaves Triton no version to load among the model's version "
+            f"folders ({', '.join(map(str, sorted(existing)))}) — Triton would fail it at every poll without "
+            "reporting it; add the version folder, or change the policy"
+        )
+
+
+def _triton_versions(root: Path) -> set[int]:
+    """The version numbers Triton 2.51 reads from the folders of ``root`` (see :func:`_aborts_triton`)."""
+    found = set()
+    for path in root.iterdir():
+        if path.is_dir() and not (len(path.name) > 1 and path.name.startswith("0")):
+            if (m := _STOLL.match(path.name)) is not None:
+                found.add(int(m["number"]))
+    return found
 
 
 def check_links(root: Path, label: str) -> None:
