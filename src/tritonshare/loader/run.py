@@ -51,7 +51,7 @@ from tritonshare.common.errors import (
 )
 from tritonshare.common.layout import NodeLayout
 from tritonshare.common.lease import Heartbeat, LeaseStore
-from tritonshare.common.repository import InstallRecord, discard, make_folder, new_staging_dir
+from tritonshare.common.repository import InstallRecord, discard, flush_tree, make_folder, new_staging_dir
 from tritonshare.common.triton import TritonClient
 from tritonshare.loader import sources
 from tritonshare.loader.download import download_all, listed_bytes
@@ -264,11 +264,12 @@ def _stage(
             before = BEFORE_PUBLISH[settings.mode]
             folder = settings.layout.model_dir(settings.name)
             before(client, settings.name, folder, timeout_s=settings.timeout_s, sleep=timings.stop.sleep)
-            # a stop asked from now on (a signal too) waits for the rename and the note that it was made
-            with timings.stop.publishing(), held_stops():
-                installed = install(settings.layout, root, record)
-                held.published = not installed.reused
-                return installed
+            with timings.stop.publishing():  # a stop asked from now on waits for the rename
+                flush_tree(root)  # the long part (seconds for a large model), which a stop signal still cuts short
+                with held_stops():  # a signal waits for the rename, and for the note that this load published
+                    installed = install(settings.layout, root, record)  # its flush finds the files on disk
+                    held.published = not installed.reused
+                    return installed
     finally:
         discard(workspace)
 
