@@ -112,12 +112,13 @@ def make_folder(path: Path) -> None:
         raise disk_error(f"creating {path}", exc) from exc
 
 
-def publish(layout: NodeLayout, staged: Path, name: str) -> Path:
+def publish(layout: NodeLayout, staged: Path, name: str, *, files_flushed: bool = False) -> Path:
     """Move a complete model folder into the repository with one rename, made durable: every file and folder
-    under ``staged`` is flushed first (:func:`flush_tree`), the repository folder after. Refuses to replace an
-    existing folder (``rename`` onto a non-empty directory fails, and onto an empty one we check first)."""
+    under ``staged`` is flushed first (:func:`flush_tree`; only the folders when the caller says it flushed the
+    files), the repository folder after. Refuses to replace an existing folder (``rename`` onto a non-empty
+    directory fails, and onto an empty one we check first)."""
     target = layout.model_dir(name)
-    flush_tree(staged)
+    flush_tree(staged, files=not files_flushed)
     if os.path.lexists(target):  # checked after the flush, which may take seconds, as close to the rename as can be
         raise InstallConflict(_installing(target, name))
     try:
@@ -135,16 +136,17 @@ def _installing(target: Path, name: str) -> str:
     return f"{target} appeared while installing — another pod is installing {name!r}"
 
 
-def flush_tree(root: Path) -> None:
-    """``fsync`` every regular file under ``root``, then every folder, deepest first, ``root`` last.
+def flush_tree(root: Path, *, files: bool = True) -> None:
+    """``fsync`` every regular file under ``root`` (unless ``files`` is False: they were), then every folder,
+    deepest first, ``root`` last.
 
     Only this tree is flushed, not the whole filesystem: ``syncfs(2)`` would also wait for every other
     writer's dirty data on the node's disk (another pod's download: 7x slower with 1 GiB of it here).
     Links are not followed (their targets inside are flushed as themselves). Raises InsufficientSpace when
     the disk is full (a late allocation fails at the flush), TritonshareError for another failure."""
-    files, folders = _tree(root)
+    regular, folders = _tree(root)
     with ThreadPoolExecutor(max_workers=FLUSH_THREADS, thread_name_prefix="flush") as pool:
-        for _ in pool.map(_flush, files):
+        for _ in pool.map(_flush, regular if files else []):
             pass
     for folder in folders:
         _flush(folder, os.O_DIRECTORY)

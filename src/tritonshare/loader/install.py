@@ -84,13 +84,14 @@ def _conflict(target: Path, wanted: InstallRecord, found: InstallRecord | None, 
     )
 
 
-def install(layout: NodeLayout, root: Path, record: InstallRecord) -> Installed:
-    """Record what ``root`` is, then publish it as ``repository/NAME`` with one rename. If another loader
-    of the same source published first, its copy is reused and ``root`` is left to the caller to discard."""
+def install(layout: NodeLayout, root: Path, record: InstallRecord, *, files_flushed: bool = False) -> Installed:
+    """Record what ``root`` is, then publish it as ``repository/NAME`` with one rename (``files_flushed``: the
+    caller flushed the files of ``root`` already, :func:`~tritonshare.common.repository.flush_tree`). If another
+    loader of the same source published first, its copy is reused and ``root`` is left to the caller to discard."""
     stamped = InstallRecord(name=record.name, source=record.source, digest=record.digest, installed_at=time.time())
-    write_record(root, stamped)  # a full disk raises InsufficientSpace there
+    write_record(root, stamped)  # a full disk raises InsufficientSpace there; the record is flushed
     try:
-        return Installed(publish(layout, root, record.name), reused=False)
+        return Installed(publish(layout, root, record.name, files_flushed=files_flushed), reused=False)
     except InstallConflict:
         if existing(layout, record) is None:  # it vanished again: let the caller fail rather than loop
             raise

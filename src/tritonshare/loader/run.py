@@ -267,7 +267,7 @@ def _stage(
             with timings.stop.publishing():  # a stop asked from now on waits for the rename
                 flush_tree(root)  # the long part (seconds for a large model), which a stop signal still cuts short
                 with held_stops():  # a signal waits for the rename, and for the note that this load published
-                    installed = install(settings.layout, root, record)  # its flush finds the files on disk
+                    installed = install(settings.layout, root, record, files_flushed=True)
                     held.published = not installed.reused
                     return installed
     finally:
