@@ -524,3 +524,24 @@ def test_a_model_whose_version_policy_names_a_version_it_has_is_served(
     cleanup.append(model_name)
     run(settings(layout, triton, source, model_name))
     infer_identity(triton, model_name)
+
+
+@pytest.mark.parametrize(
+    "links",
+    [{"x": "x"}, {"a": "b", "b": "a"}, {"weights": "1/gone.bin"}],
+    ids=["to-itself", "to-each-other", "to-a-member-it-lacks"],
+)
+def test_an_archive_whose_link_leads_nowhere_is_refused_before_triton_polls_it(
+    layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path, links: dict[str, str]
+) -> None:
+    """A link in the model folder that resolves to nothing (round in a loop, or to a member the archive lacks)
+    stays "inside" by its path, so it passed; Triton cannot stat it, fails the model's poll for good ("Poll
+    failed for model directory") and never lists it, and the load waited out its deadline (exit 13)."""
+    with tarfile.open(tmp_path / "m.tar", "w") as tar:
+        tar.add(write_model(tmp_path / "m"), arcname=".")
+        for name, target in links.items():
+            link = tarfile.TarInfo(name)
+            link.type, link.linkname = tarfile.SYMTYPE, target
+            tar.addfile(link)
+    expect_failure(UnsafeArchive, ExitCode.SOURCE_PERMANENT, r"leads to nothing",
+                   layout, settings(layout, triton, tmp_path / "m.tar", model_name, timeout_s=10.0))  # fmt: skip
