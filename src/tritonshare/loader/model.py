@@ -398,7 +398,8 @@ def _triton_versions(root: Path) -> set[int]:
 
 
 def check_links(root: Path, label: str) -> None:
-    """Every symbolic link under ``root``, resolved in the tree as it now stands, leads inside ``root``. Only
+    """Every symbolic link under ``root``, resolved in the tree as it now stands, leads inside ``root``, and
+    those at its top to something (:func:`_check_top_links`). Only
     an archive brings links (a folder source copies what a link inside points to), and its members are checked
     as they land; but a link resolves through those unpacked after it (see :mod:`tritonshare.loader.archive`),
     and the published root may be a sub-folder of what was unpacked."""
@@ -417,6 +418,21 @@ def check_links(root: Path, label: str) -> None:
                         )
                 elif entry.is_dir():
                     pending.append(Path(entry.path))
+    _check_top_links(root, label)
+
+
+def _check_top_links(root: Path, label: str) -> None:
+    """A link at the model's top that leads to nothing (a member the archive lacks, or a loop): Triton, which
+    stats every entry there, fails the model's poll for good ("Poll failed for model directory") and never
+    lists it. Deeper, Triton does not look (a dangling ``1/__pycache__`` is replaced anyway)."""
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if entry.is_symlink() and not os.path.exists(entry.path):
+                raise UnsafeArchive(
+                    f"{label}: {entry.name!r} links to {os.readlink(entry.path)!r}, which leads to nothing (a member "
+                    "the archive lacks, or links round in a loop), and Triton could not load the model — rebuild the "
+                    "archive without that link"
+                )
 
 
 def inside(root: str, resolved: str) -> bool:
