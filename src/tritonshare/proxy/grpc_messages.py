@@ -120,6 +120,8 @@ class MessageJudge:
             return Refusal(GRPC_NOT_FOUND, grpc_not_found(name), "other_model")
         if result is None:
             return None
+        if result.overdeclared:
+            return Refusal(GRPC_INVALID_ARGUMENT, result.overdeclared, "shape")
         if result.oversized:
             return Refusal(
                 GRPC_RESOURCE_EXHAUSTED,

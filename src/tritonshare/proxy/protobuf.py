@@ -13,6 +13,9 @@ What they read (REFERENCE §3, §6):
   ``map<string, InferParameter>``), each input's (field 5 → field 4) and each output's (field 6 →
   field 2). Protobuf strings are not escaped, so a field whose bytes never contain ``SHM_MARKER`` names
   no such parameter; only a field that does is kept (bounded) and parsed in full.
+- for infer requests, each input's shape (field 5 → field 3): an input declaring more elements than the message
+  can carry is refused (:mod:`tritonshare.proxy.shapes`, which says why). Only the inputs are read; the contents
+  (field 7) are skipped by length as any other field.
 
 Anything a walker cannot follow — a truncated field, a group, an invalid wire type — raises
 :class:`MalformedMessage`, and the message is refused: never "allow" on a message not understood.
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tritonshare.proxy.policy import SHM_MARKER, SHM_PARAMETERS
+from tritonshare.proxy.shapes import INPUTS_TAG, SHAPE_FLOOR, InputShape, declared, overdeclared, read_shape
 
 MODEL_NAME_FIELD = 1
 _NAME_TAG = MODEL_NAME_FIELD << 3 | 2  # field 1, length-delimited
@@ -84,6 +88,7 @@ class WalkResult:
     name_complete: bool = True  # False: field 1 was longer than any model name (kept: its start)
     suspects: list[tuple[int, bytes]] = field(default_factory=list)  # parameter fields holding SHM_MARKER
     oversized: bool = False  # a parameter field held SHM_MARKER but was too large to keep and parse
+    overdeclared: str = ""  # an input's shape declares more elements than the message carries: the refusal
 
 
 class FieldWalker:
@@ -106,6 +111,9 @@ class FieldWalker:
         "_budget",
         "_field_cost",
         "_suspects_cost",
+        "_shape",
+        "_worst",
+        "_fed",
         "fields_left",
     )
 
@@ -127,8 +135,12 @@ class FieldWalker:
         self._hit = False
         self._tail = b""
         self._result = WalkResult()
+        self._shape: InputShape | None = None  # the shape of the input (field 5) being walked
+        self._worst: InputShape | None = None  # of the inputs walked, the one declaring the most elements
+        self._fed = 0  # bytes of the message walked
 
     def feed(self, buf: bytes, pos: int, end: int) -> None:
+        self._fed += end - pos
         while pos < end:
             state = self._state
             if state >= _SKIP:
@@ -163,6 +175,9 @@ class FieldWalker:
     def finish(self) -> WalkResult:
         if self._state != _TAG or self._shift:
             raise MalformedMessage("message ends inside a field")
+        worst = self._worst
+        if worst is not None and worst.count > max(self._fed, SHAPE_FLOOR):
+            self._result.overdeclared = overdeclared(worst, self._fed)
         return self._result
 
     def _start_field(self, tag: int) -> None:
@@ -192,6 +207,8 @@ class FieldWalker:
             self._result.model_name, self._result.name_complete = b"", length <= _NAME_LIMIT
         elif self._inspect and number in PARAMETER_FIELDS:
             self._parts, self._kept, self._hit, self._tail = [], 0, False, b""
+            if number == INPUTS_TAG >> 3:
+                self._shape = InputShape()
         else:
             self._skip(length)
             return
@@ -209,6 +226,11 @@ class FieldWalker:
             if sum(map(len, self._name)) < _NAME_LIMIT:
                 self._name.append(buf[start:end])
             return
+        if self._shape is not None:
+            try:
+                self._shape.feed(buf, start, end)
+            except ValueError as exc:
+                raise MalformedMessage(str(exc)) from exc
         if not self._hit:
             seam = self._tail + buf[start : start + _MARKER_TAIL]
             self._hit = buf.find(SHM_MARKER, start, end) >= 0 or SHM_MARKER in seam
@@ -252,6 +274,9 @@ class FieldWalker:
         if self._field == MODEL_NAME_FIELD:
             self._result.model_name = b"".join(self._name)[:_NAME_LIMIT]
             return
+        if self._shape is not None:
+            self._end_input(self._shape)
+            self._shape = None
         if self._hit:
             if self._parts is None:
                 self._result.oversized = True
@@ -263,6 +288,14 @@ class FieldWalker:
                 self._field_cost -= self._kept
         self._release_field()
         self._parts, self._hit, self._kept = None, False, 0
+
+    def _end_input(self, shape: InputShape) -> None:
+        try:
+            count = shape.finish()
+        except ValueError as exc:
+            raise MalformedMessage(str(exc)) from exc
+        if count > SHAPE_FLOOR and (self._worst is None or count > self._worst.count):
+            self._worst = shape
 
 
 class MessageWalker:
@@ -277,7 +310,9 @@ class MessageWalker:
     request (model name, tensor names and shapes, the contents' length); only the contents differ. A walk
     reads left to right, so a message that starts with the same leading fields is in the same state after
     them; one that also has the same last field's header, with exactly that many bytes after it, reads the
-    same as a whole — whatever those bytes are."""
+    same as a whole — whatever those bytes are. So do the leading fields' inputs, whose shapes are bounded by the
+    message's length: a message walked on after them is at least as long as the remembered one (it holds its
+    leading fields and its last field whole), so they declare no more than it can carry."""
 
     __slots__ = ("_inspect", "_limit", "_prefix", "_cut", "_rest", "_name")
 
@@ -333,8 +368,8 @@ class MessageWalker:
                     name = buf[pos : stop if complete else pos + _NAME_LIMIT]
                 elif tag < 8:
                     raise MalformedMessage("field number 0")
-                elif self._inspect and tag >> 3 in PARAMETER_FIELDS and buf.find(SHM_MARKER, pos, stop) >= 0:
-                    details = _suspect(details or WalkResult(), tag >> 3, buf[pos:stop], self._limit)
+                elif self._inspect and tag >> 3 in PARAMETER_FIELDS:
+                    details = self._inspected(details, tag, buf, pos, stop, end - start)
                 pos = stop
             else:
                 pos = _skip_scalar(buf, pos, end, tag)  # (never past the end: fields end inside the message)
@@ -344,6 +379,32 @@ class MessageWalker:
             # The last field's value was not read: remember this message's shape.
             self._prefix, self._cut, self._rest, self._name = buf[start:value], last - start, end - value, name
         return name, None
+
+    def _inspected(
+        self, details: WalkResult | None, tag: int, buf: bytes, pos: int, stop: int, carried: int
+    ) -> WalkResult | None:
+        """The walk's details after the parameter field (``tag``) ``buf[pos:stop]`` of a message of ``carried``
+        bytes: a suspect if it names SHM_MARKER; the refusal of an input declaring more elements than the message
+        can carry (an input declaring more than SHAPE_FLOOR is rare: it is read again, to tell)."""
+        if buf.find(SHM_MARKER, pos, stop) >= 0:
+            details = _suspect(details or WalkResult(), tag >> 3, buf[pos:stop], self._limit)
+        if tag == INPUTS_TAG:
+            try:
+                if declared(buf, pos, stop) > SHAPE_FLOOR:
+                    return _check_input(details, buf, pos, stop, carried)
+            except ValueError as exc:
+                raise MalformedMessage(str(exc)) from exc
+        return details
+
+
+def _check_input(details: WalkResult | None, buf: bytes, pos: int, stop: int, carried: int) -> WalkResult | None:
+    """The walk's details once the input ``buf[pos:stop]``, declaring more than SHAPE_FLOOR elements, is read in a
+    message of ``carried`` bytes: with the refusal of the first input that declares more than that."""
+    if declared(buf, pos, stop) <= carried or (details is not None and details.overdeclared):
+        return details
+    details = details or WalkResult()
+    details.overdeclared = overdeclared(read_shape(buf[pos:stop]), carried)  # (its bytes are a message: read)
+    return details
 
 
 def _with_name(result: WalkResult, name: bytes, complete: bool) -> WalkResult:
