@@ -337,13 +337,18 @@ class MessageWalker:
     def walk(self, buf: bytes, pos: int, end: int) -> tuple[bytes, WalkResult | None]:
         prefix = self._prefix
         n = len(prefix)  # (a slice compared: startswith parses its arguments, ~400 instructions a call)
-        if pos + n > end or buf[pos : pos + n] != prefix:  # (b"", when nothing is remembered, always matches)
-            return self._walk(buf, pos, pos, end, b"")
-        if pos + n + self._rest == end:  # the same fields, then a value as long as the last one's
-            return self._name, None
-        return self._walk(buf, pos, pos + self._cut, end, self._name)  # after the same leading fields
+        try:  # (free in Python 3.11 unless raised)
+            if pos + n > end or buf[pos : pos + n] != prefix:  # (b"", when nothing is remembered, always matches)
+                return self._walk(buf, pos, pos, end, b"")
+            if pos + n + self._rest == end:  # the same fields, then a value as long as the last one's
+                return self._name, None
+            return self._walk(buf, pos, pos + self._cut, end, self._name)  # after the same leading fields
+        except ValueError as exc:  # an input that is no message (shapes.declared)
+            raise MalformedMessage(str(exc)) from exc
 
-    def _walk(self, buf: bytes, start: int, pos: int, end: int, name: bytes) -> tuple[bytes, WalkResult | None]:
+    def _walk(  # noqa: C901  (one-byte tags, lengths and checks inline: a call costs ~700 instructions)
+        self, buf: bytes, start: int, pos: int, end: int, name: bytes
+    ) -> tuple[bytes, WalkResult | None]:
         """Walk the message ``buf[start:end]`` from ``pos`` on, the state at ``pos`` being ``name`` (complete, no
         parameter field to look at)."""
         complete, details, tag, value = True, None, 0, pos
@@ -369,7 +374,10 @@ class MessageWalker:
                 elif tag < 8:
                     raise MalformedMessage("field number 0")
                 elif self._inspect and tag >> 3 in PARAMETER_FIELDS:
-                    details = self._inspected(details, tag, buf, pos, stop, end - start)
+                    if buf.find(SHM_MARKER, pos, stop) >= 0:
+                        details = _suspect(details or WalkResult(), tag >> 3, buf[pos:stop], self._limit)
+                    if tag == INPUTS_TAG and declared(buf, pos, stop) > SHAPE_FLOOR:  # (rare: read again, to tell)
+                        details = _check_input(details, buf, pos, stop, end - start)
                 pos = stop
             else:
                 pos = _skip_scalar(buf, pos, end, tag)  # (never past the end: fields end inside the message)
@@ -379,22 +387,6 @@ class MessageWalker:
             # The last field's value was not read: remember this message's shape.
             self._prefix, self._cut, self._rest, self._name = buf[start:value], last - start, end - value, name
         return name, None
-
-    def _inspected(
-        self, details: WalkResult | None, tag: int, buf: bytes, pos: int, stop: int, carried: int
-    ) -> WalkResult | None:
-        """The walk's details after the parameter field (``tag``) ``buf[pos:stop]`` of a message of ``carried``
-        bytes: a suspect if it names SHM_MARKER; the refusal of an input declaring more elements than the message
-        can carry (an input declaring more than SHAPE_FLOOR is rare: it is read again, to tell)."""
-        if buf.find(SHM_MARKER, pos, stop) >= 0:
-            details = _suspect(details or WalkResult(), tag >> 3, buf[pos:stop], self._limit)
-        if tag == INPUTS_TAG:
-            try:
-                if declared(buf, pos, stop) > SHAPE_FLOOR:
-                    return _check_input(details, buf, pos, stop, carried)
-            except ValueError as exc:
-                raise MalformedMessage(str(exc)) from exc
-        return details
 
 
 def _check_input(details: WalkResult | None, buf: bytes, pos: int, stop: int, carried: int) -> WalkResult | None:

@@ -26,6 +26,7 @@ __all__ = ["SHAPE_FLOOR", "InputShape", "declared", "overdeclared", "read_shape"
 
 INPUTS_TAG = 5 << 3 | 2  # ModelInferRequest.inputs, length-delimited
 _NAME_TAG = 1 << 3 | 2  # InferInputTensor.name
+_DATATYPE_TAG = 2 << 3 | 2  # InferInputTensor.datatype
 _SHAPE_TAG = 3 << 3 | 2  # InferInputTensor.shape, packed (proto3's encoding)
 _DIM_TAG = 3 << 3  # one dim of it, not packed (a parser accepts either)
 _MAX_TAG = 0xFFFF_FFFF
@@ -40,7 +41,26 @@ _DIMS_KEPT = 8  # dims kept for the refusal
 
 def declared(buf: bytes, pos: int, end: int) -> int:
     """The elements the input ``buf[pos:end]`` declares (the product of its dims, at most :data:`TOO_MANY`), or
-    :data:`UNCHECKED`."""
+    :data:`UNCHECKED`.
+
+    At a glance first, in the layout every serializer writes for a small shape — name (field 1) and datatype (2)
+    of fewer than 128 bytes, then a packed shape (3) of one or two one-byte dims ending the input: a walk costs
+    ~4,000 instructions a field, this ~2,000 in all."""
+    if end - pos > 6 and buf[pos] == _NAME_TAG and buf[pos + 1] < 0x80:
+        at = pos + 2 + buf[pos + 1]
+        if at + 5 <= end and buf[at] == _DATATYPE_TAG and buf[at + 1] < 0x80:
+            at += 2 + buf[at + 1]
+            left = end - at  # (the shape field's, if it ends the input: 3 or 4 bytes)
+            if 3 <= left <= 4 and buf[at] == _SHAPE_TAG and buf[at + 1] == left - 2 and buf[at + 2] < 0x80:
+                if left == 3:
+                    return buf[at + 2]
+                if buf[at + 3] < 0x80:
+                    return buf[at + 2] * buf[at + 3]
+    return _walked(buf, pos, end)
+
+
+def _walked(buf: bytes, pos: int, end: int) -> int:
+    """:func:`declared`, walking the input field by field."""
     count = 1
     while pos < end:
         tag = buf[pos]
