@@ -22,7 +22,8 @@ file). Every tool downloads each model in a fresh process, several times (the 2 
 taking turns so a burst of load elsewhere hits them alike, who goes first rotating from round to round. Figures
 are whole-process: interpreter start-up, listing, transfer, verification. tritonshare's process is a child that
 imports only the download path, not the ``tritonshare load`` command (its CLI, settings, logging, leases and Triton
-calls are left out: ``--ready`` times the whole command): the download's share of what an init container costs.
+calls are left out: ``--ready`` times the whole command): the download's share of what an init container costs. An
+import contract (pyproject.toml) keeps the download path from importing the CLI's module, click or the Triton client.
 Peak RSS is the process's (for ``curl | tar`` the largest of the pipeline), measured by GNU time.
 
     scripts/setup.sh --bench                        # .venv-bench: s5cmd, kserve-storage, rclone; .venv-opt
