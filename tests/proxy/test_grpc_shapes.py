@@ -8,8 +8,6 @@ still READY; a backend inside Triton's process would read out of bounds. Each te
 from __future__ import annotations
 
 import json
-import os
-import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,8 +17,7 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from tests.proxy.test_grpc import BIG, INFER, infer_request, raw_call
-from tests.support.install import wait_model_ready
-from tests.support.models import write_model
+from tests.support.install import own_triton_serving
 from tests.support.proxy import ProxyProcess
 from tests.support.triton import TritonServer
 from tritonshare.proxy.policy import GRPC_SERVICE
@@ -36,15 +33,8 @@ KILLING_SHAPES = [[2**62], [10**12], [1000, 1000, 1000, 1000], [2**63 - 1]]
 @pytest.fixture
 def own_triton(tmp_path: Path) -> Iterator[TritonServer]:
     """A Triton of this test's own, serving the identity model MODEL (INPUT0 FP32 [-1] -> OUTPUT0)."""
-    write_model(tmp_path / "models" / MODEL)
-    server = TritonServer(repository=tmp_path / "models", log_path=tmp_path / "triton.log").start()
-    try:
-        wait_model_ready(server, MODEL)
+    with own_triton_serving(tmp_path, MODEL) as server:
         yield server
-    finally:
-        if server.process is not None and server.process.poll() is None:
-            os.killpg(server.process.pid, signal.SIGKILL)  # a graceful stop takes seconds, and this one is ours
-            server.process.wait()
 
 
 @pytest.fixture

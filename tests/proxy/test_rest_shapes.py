@@ -9,16 +9,13 @@ refused these, the first such request killed it.
 from __future__ import annotations
 
 import json
-import os
-import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.proxy.test_rest import Raw, error_of, infer_body, request
-from tests.support.install import wait_model_ready
-from tests.support.models import write_model
+from tests.support.install import own_triton_serving
 from tests.support.proxy import ProxyProcess
 from tests.support.triton import TritonServer
 
@@ -30,15 +27,8 @@ MODEL = "own-shapes"
 @pytest.fixture
 def own_triton(tmp_path: Path) -> Iterator[TritonServer]:
     """A Triton of this test's own, serving the identity model MODEL (INPUT0 FP32 [-1] -> OUTPUT0)."""
-    write_model(tmp_path / "models" / MODEL)
-    server = TritonServer(repository=tmp_path / "models", log_path=tmp_path / "triton.log").start()
-    try:
-        wait_model_ready(server, MODEL)
+    with own_triton_serving(tmp_path, MODEL) as server:
         yield server
-    finally:
-        if server.process is not None and server.process.poll() is None:
-            os.killpg(server.process.pid, signal.SIGKILL)  # a graceful stop takes seconds, and this one is ours
-            server.process.wait()
 
 
 def _declaring(shape: list[int], **input_fields: object) -> bytes:

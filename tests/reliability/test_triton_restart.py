@@ -7,8 +7,6 @@ loaded the model again from the repository, the same proxy process and the same 
 from __future__ import annotations
 
 import http.client
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -114,7 +112,7 @@ def own_triton(tmp_path: Path) -> Iterator[TritonServer]:
     server = start(TritonServer(repository=tmp_path / "models", log_path=tmp_path / "triton.log"))
     wait_model_ready(server, "restarted")
     yield server
-    crash(server)
+    server.kill()
 
 
 def start(server: TritonServer, attempts: int = 3) -> TritonServer:
@@ -128,14 +126,6 @@ def start(server: TritonServer, attempts: int = 3) -> TritonServer:
             if attempt + 1 == attempts:
                 raise
     raise AssertionError("unreachable")
-
-
-def crash(server: TritonServer) -> None:
-    """SIGKILL Triton and its Python backend stubs (its process group)."""
-    if server.process is not None and server.process.poll() is None:
-        os.killpg(server.process.pid, signal.SIGKILL)
-        server.process.wait()
-    server.process = None
 
 
 @pytest.fixture
@@ -159,7 +149,7 @@ def test_the_proxy_answers_at_once_while_triton_is_away_and_serves_again_when_it
     try:
         time.sleep(1.0)
         killed = time.monotonic()
-        crash(own_triton)
+        own_triton.kill()
         time.sleep(ANSWER_S + 0.5)  # the readiness cache (1 s) has expired
         away = (rest_ready(proxy.http_port), grpc_ready(proxy.grpc_url))
         time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - killed)))

@@ -6,6 +6,8 @@ import fcntl
 import os
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.support.models import IDENTITY_CONFIG, IDENTITY_MODEL, write_model
@@ -67,3 +69,16 @@ def lease_lock_is_free(layout: NodeLayout, name: str) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+@contextmanager
+def own_triton_serving(folder: Path, model: str) -> Iterator[TritonServer]:
+    """A Triton of the test's own, serving the identity model ``model`` from ``folder/models``, killed afterwards
+    (a test that may crash it, or its model's stub, must not share the session's)."""
+    write_model(folder / "models" / model)
+    server = TritonServer(repository=folder / "models", log_path=folder / "triton.log").start()
+    try:
+        wait_model_ready(server, model)
+        yield server
+    finally:
+        server.kill()

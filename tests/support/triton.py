@@ -126,6 +126,14 @@ class TritonServer:
                 self.process.wait()
         self.process = None
 
+    def kill(self) -> None:
+        """SIGKILL Triton and its Python backend stubs (its process group): for a server of the test's own, whose
+        graceful stop would take seconds, or a crash under test."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.process = None
+
     def log_tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
