@@ -13,7 +13,6 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from tests.proxy.test_rest import _crash
 from tests.support.install import install_model, model_ready, wait_model_ready
 from tests.support.models import SLOW_CONFIG, SLOW_MODEL, SLOW_MODEL_DELAY_S, write_model
 from tests.support.proxy import ProxyProcess
@@ -112,7 +111,7 @@ def test_an_unload_triton_still_serves_past_its_timeout_is_exit_13_with_the_reas
             proxy.stop()
         assert model_ready(server, "kept")
     finally:
-        _crash(server)
+        server.kill()
     assert code == ExitCode.READINESS_TIMEOUT, proxy.log_text()[-3000:]
     assert "Triton still serves kept 1s after its folder was removed" in proxy.termination_log.read_text()
     assert not layout.model_dir("kept").exists()
