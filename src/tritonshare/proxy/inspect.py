@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import re
 
+from tritonshare.common.errors import clip
 from tritonshare.proxy.http1 import LAST_CHUNK, ChunkedReader, chunk
 from tritonshare.proxy.inflation import (
     INFLATE_GRACE_BYTES,
@@ -212,7 +213,7 @@ _LONG_SHAPE = re.compile(
     SHAPE_KEY + rb"[ \t\n\r]*+:[ \t\n\r]*+\[(?:[, \t\n\r]*+[0-9]){%d}" % (_QUICK_SHAPE_DIGITS + 1)
 ).search
 _MAX_DIM_DIGITS = 20  # uint64: a longer number is no dim Triton takes (and may be huge: not converted)
-_TOO_MANY = 1 << 64
+TOO_MANY = 1 << 64  # element counts saturate here (a later 0 still makes them 0)
 
 
 def long_shapes(data: bytes, pos: int = 0) -> bool:
@@ -248,7 +249,7 @@ def check_shapes(part: bytes, carried: int, *, exact: bool = True) -> None:
             continue
         count = _elements(dims)
         if count > bound:
-            raise _oversized(clip(dims), f"the body can carry ({carried} bytes)")
+            raise _oversized(clip(dims.decode("ascii"), 60), f"the body can carry ({carried} bytes)")
         beyond_part = beyond_part or count > inline
     if beyond_part and not exact:
         _check_inline_data(part, inline)
@@ -277,7 +278,7 @@ def _check_inline_data(part: bytes, inline: int) -> None:
     try:
         json.loads(part, object_pairs_hook=hook)
     except _Oversized as exc:
-        raise _oversized(clip(str(exc)[1:-1].encode()), f"its JSON data holds ({len(part)} bytes)") from None
+        raise _oversized(clip(str(exc)[1:-1], 60), f"its JSON data holds ({len(part)} bytes)") from None
     except ValueError:  # (json.JSONDecodeError, UnicodeDecodeError)
         raise BodyRefused(400, "the request's JSON cannot be read to check its input shapes", "bad_json") from None
 
@@ -290,7 +291,7 @@ def _count(value: object) -> int:
     for dim in value:
         if type(dim) is not int or dim < 0:
             return 0
-        count = min(count * dim, _TOO_MANY)
+        count = min(count * dim, TOO_MANY)
     return count
 
 
@@ -312,13 +313,8 @@ def _elements(dims: bytes) -> int:
         if not digits or not digits.isdigit():
             return 0
         # (kept below 2**64 + 1: a zero later still makes it 0, and no product of many huge numbers is built)
-        count = min(count * (int(digits) if len(digits) <= _MAX_DIM_DIGITS else _TOO_MANY), _TOO_MANY)
+        count = min(count * (int(digits) if len(digits) <= _MAX_DIM_DIGITS else TOO_MANY), TOO_MANY)
     return count
-
-
-def clip(raw: bytes, limit: int = 60) -> str:
-    text = " ".join(raw.decode("ascii").split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def check_plain_body(body: bytes, json_length: int | None, max_json_bytes: int, *, shapes: bool = False) -> None:

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from math import prod
 
-from tritonshare.proxy.inspect import SHAPE_FLOOR
+from tritonshare.proxy.inspect import SHAPE_FLOOR, TOO_MANY
 
-__all__ = ["SHAPE_FLOOR", "InputShape", "declared", "overdeclared", "read_shape"]
+__all__ = ["SHAPE_FLOOR", "TOO_MANY", "InputShape", "declared", "overdeclared", "read_shape"]
 
 INPUTS_TAG = 5 << 3 | 2  # ModelInferRequest.inputs, length-delimited
 _NAME_TAG = 1 << 3 | 2  # InferInputTensor.name
@@ -32,7 +32,6 @@ _DIM_TAG = 3 << 3  # one dim of it, not packed (a parser accepts either)
 _MAX_TAG = 0xFFFF_FFFF
 _U64 = (1 << 64) - 1  # protobuf's C++ parser keeps a varint's low 64 bits
 _NEGATIVE = 1 << 63  # an int64 dim below 0
-TOO_MANY = 1 << 64  # counts saturate here (a later 0 still makes them 0)
 UNCHECKED = -1  # a negative dim: Triton refuses the input itself
 _QUICK_DIMS = 8  # one-byte dims multiplied in one call (127**8 < 2**56: no bignum)
 _NAME_KEPT = 64  # bytes of an input's name kept for the refusal
