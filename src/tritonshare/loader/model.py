@@ -289,12 +289,19 @@ def _is_version(name: str) -> bool:
     return bool(_VERSION.fullmatch(name)) and int(name) <= INT64_MAX
 
 
+def _triton_number(name: str) -> int | None:
+    """The number Triton 2.51 reads from a model's folder of this name; None for one it skips for its leading
+    zero (before reading it) or in which std::stoll finds no number."""
+    if len(name) > 1 and name.startswith("0"):
+        return None
+    m = _STOLL.match(name)
+    return int(m["number"]) if m is not None else None
+
+
 def _aborts_triton(name: str) -> bool:
     """Triton 2.51 aborts at its next poll on a folder of this name in a model (std::stoll's out_of_range)."""
-    if len(name) > 1 and name.startswith("0"):
-        return False  # skipped for its leading zero before it is read
-    m = _STOLL.match(name)
-    return m is not None and not INT64_MIN <= int(m["number"]) <= INT64_MAX
+    number = _triton_number(name)
+    return number is not None and not INT64_MIN <= number <= INT64_MAX
 
 
 def check_version_names(root: Path, label: str) -> None:
@@ -309,7 +316,7 @@ def check_version_names(root: Path, label: str) -> None:
                 "it (std::out_of_range), taking down every model on the node — rename or remove that folder"
             )
     if not version_dirs(root):
-        zeros = [f"{name}/" for name in sorted(folders) if len(name) > 1 and name[0] == "0" and name.isdigit()]
+        zeros = [f"{name}/" for name in sorted(folders) if name.isdigit() and _triton_number(name) is None]
         ignored = f" (Triton ignores {', '.join(zeros)}: a version folder's name has no leading zero)" if zeros else ""
         raise InvalidModel(
             f"{label}: the model has no numeric version folder (1/, 2/, …){ignored} — Triton serves only versions; "
@@ -388,13 +395,9 @@ def check_version_policy(root: Path, text: str, where: str) -> None:
 
 
 def _triton_versions(root: Path) -> set[int]:
-    """The version numbers Triton 2.51 reads from the folders of ``root`` (see :func:`_aborts_triton`)."""
-    found = set()
-    for path in root.iterdir():
-        if path.is_dir() and not (len(path.name) > 1 and path.name.startswith("0")):
-            if (m := _STOLL.match(path.name)) is not None:
-                found.add(int(m["number"]))
-    return found
+    """The version numbers Triton 2.51 reads from the folders of ``root`` (:func:`_triton_number`)."""
+    numbers = (_triton_number(path.name) for path in root.iterdir() if path.is_dir())
+    return {number for number in numbers if number is not None}
 
 
 def check_links(root: Path, label: str) -> None:
