@@ -107,7 +107,8 @@ def _walk(top: Path, uri: str) -> list[Path]:
             above[str(path)] = above[folder] | {real}
         for name in sorted(files):
             path = Path(folder, name)
-            _inside(path, root, uri)
+            if path.is_symlink():  # (a folder's real path is needed above; a file's only when it is a link)
+                _inside(path, root, uri)
             if path.is_file():
                 found.append(path)
     return found
