@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 from click.core import ParameterSource
@@ -210,8 +210,7 @@ def held_stops() -> Iterator[None]:
         if not _holding and _deferred:
             signum = _deferred[0]
             _deferred.clear()
-            _ignore_stop_signals()  # a second signal must not cut the clean-up short
-            raise Stopped(signum, _activities[-1] if _activities else "")  # the pod goes: it wins over a failure
+            _stop(signum)  # the pod goes: it wins over a failure
 
 
 @contextmanager
@@ -304,6 +303,11 @@ def _raise_stopped(signum: int, frame: FrameType | None) -> None:
     if _holding:
         _deferred.append(signum)  # raised at the end of the held_stops block
         return
+    _stop(signum)
+
+
+def _stop(signum: int) -> NoReturn:
+    """Raise Stopped for ``signum``, naming what the command was doing."""
     _ignore_stop_signals()  # a second signal must not cut the clean-up short
     raise Stopped(signum, _activities[-1] if _activities else "")
 
