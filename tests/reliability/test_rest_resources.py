@@ -5,7 +5,6 @@ each hold a connection to the node's shared Triton."""
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.children import socket_inodes
 from tests.support.proxy import ProxyProcess
 from tests.support.triton import TritonServer
 from tritonshare.common.layout import NodeLayout
@@ -89,8 +89,7 @@ def test_a_client_that_pipelines_refusals_and_never_reads_is_stopped_being_read(
 
 def _connections_to(pid: int, port: int) -> int:
     """Established TCP connections of process ``pid`` to ``port`` on this host."""
-    fds = Path(f"/proc/{pid}/fd")
-    inodes = {os.readlink(fd)[8:-1] for fd in fds.iterdir() if os.readlink(fd).startswith("socket:[")}
+    inodes = socket_inodes(pid)
     count = 0
     for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()

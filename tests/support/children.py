@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 from pathlib import Path
 
@@ -20,3 +21,18 @@ def vm_kib(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise KeyError(f"{field} not in /proc/{pid}/status")
+
+
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of process ``pid``'s sockets, read from its ``/proc`` fd links; an fd closed between the listing
+    and its reading (the process closing connections as a test watches it) is passed over. Raises
+    FileNotFoundError when the process is gone."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except FileNotFoundError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:[") : -1])
+    return inodes

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.children import die_with_parent, vm_kib
+from tests.support.children import die_with_parent, socket_inodes, vm_kib
 from tests.support.ports import free_port
 from tests.support.triton import TritonServer
 from tritonshare.common.layout import NodeLayout
@@ -125,10 +125,9 @@ def _listening_ports(pid: int) -> set[int]:
     connection would hold one of the proxy's places until the proxy saw it close (a test of ``--max-connections``
     must find every place free), and a port another process took would pass for the proxy's."""
     try:
-        links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        inodes = socket_inodes(pid)
     except (FileNotFoundError, ProcessLookupError):  # (it exited; the caller finds out)
         return set()
-    inodes = {link[len("socket:[") : -1] for link in links if link.startswith("socket:[")}
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as rows:
