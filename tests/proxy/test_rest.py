@@ -37,6 +37,7 @@ from tests.support.triton import TritonServer
 from tritonshare.common.errors import UsageError
 from tritonshare.common.layout import NodeLayout
 from tritonshare.proxy.rest import RestFrontend
+from tritonshare.proxy.rest_requests import RequestPath
 from tritonshare.proxy.settings import ProxySettings
 from tritonshare.proxy.state import ProxyState
 
@@ -108,6 +109,10 @@ class Raw:
 def infer_body(values: list[float], **extra: Any) -> bytes:
     doc = {"inputs": [{"name": "INPUT0", "shape": [len(values)], "datatype": "FP32", "data": values}], **extra}
     return json.dumps(doc).encode()
+
+
+def infer_head(own: str, length: int) -> bytes:
+    return f"POST /v2/models/{own}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode()
 
 
 def error_of(body: bytes) -> str:
@@ -787,6 +792,72 @@ def test_a_connection_must_send_its_first_head_in_time_where_a_served_one_may_id
             assert silent.closed_by_peer()
             assert time.monotonic() - accepted < 4  # the sweep runs once a second
             assert served.send(live).response()[0] == 200  # the served one idles on
+
+
+def _written_apart(sock: Raw, head: bytes, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    """One request as http.client, requests and httpx send it: the head, then the body in a write of its own
+    (after a pause, so the proxy reads them apart)."""
+    sock.send(head)
+    time.sleep(0.05)
+    return sock.send(body).response()
+
+
+def test_a_body_written_apart_from_its_head_takes_the_short_path(
+    triton: TritonServer, served_models: ServedModels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A head judged before that comes alone is held for its body, and the two go to Triton as one request
+    taken whole (no head parsed again, no body read the general way); what the short path checks, it checks:
+    a shared-memory parameter or a huge shape in such a body is refused as ever."""
+    own = served_models.own
+    settings = ProxySettings(name=own, triton_url=triton.url, host="127.0.0.1", http_port=0)
+    heads_parsed = []
+    read_head = RequestPath._read_head
+
+    def counting(self: RequestPath, data: bytes) -> bytes:
+        heads_parsed.append(data[:40])
+        return read_head(self, data)
+
+    monkeypatch.setattr(RequestPath, "_read_head", counting)
+    with LocalRest(settings) as local, Raw(local.port) as client:
+        for value in range(1, 6):  # one digit: bodies of one length, so one head
+            body = infer_body([float(value)])
+            status, _, answer = _written_apart(client, infer_head(own, len(body)), body)
+            assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [float(value)], answer
+        assert len(heads_parsed) == 1, heads_parsed  # the first, which judged the head; none after
+        shm = json.dumps(_shm_json(own, "input")).encode()
+        _assert_shm_refused(*_written_apart(client, infer_head(own, len(shm)), shm)[::2])
+    with LocalRest(settings) as local, Raw(local.port) as client:
+        body = infer_body([1.0])
+        huge = body.replace(b"[1]", b"[1000000, 1000000]", 1).ljust(len(body) + 20)
+        clean = body.ljust(len(huge))  # (trailing blanks are valid JSON: one head for both)
+        assert _written_apart(client, infer_head(own, len(clean)), clean)[0] == 200
+        status, _, answer = _written_apart(client, infer_head(own, len(huge)), huge)
+        assert status == 400 and "declares more elements" in error_of(answer), answer
+
+
+def test_a_held_head_whose_body_is_late_is_served_and_one_whose_body_never_comes_gets_408(
+    triton: TritonServer, served_models: ServedModels
+) -> None:
+    """A head held for its body becomes a request in progress at the next sweep, so a late body is read the
+    general way and a missing one is timed out as any stalled body is (not as an incomplete head)."""
+    own = served_models.own
+    settings = ProxySettings(name=own, triton_url=triton.url, host="127.0.0.1", http_port=0)
+    body = infer_body([7.0])
+    head = infer_head(own, len(body))
+    with LocalRest(settings, header_timeout_s=3.0) as local, Raw(local.port) as client:
+        assert client.send(head + body).response()[0] == 200  # the head judged
+        client.send(head)
+        time.sleep(1.5)  # a sweep or more
+        status, _, answer = client.send(body).response()
+        assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [7.0], answer
+    with LocalRest(settings, header_timeout_s=1.0) as local, Raw(local.port) as client:
+        assert client.send(head + body).response()[0] == 200
+        started = time.monotonic()
+        status, headers, answer = client.send(head).response()
+        assert status == 408 and headers["connection"] == "close", answer
+        assert "the request body stopped: no byte of it for 1 s" in error_of(answer)
+        # a sweep to start it, one to see it stall, the timeout, and the sweep granularity: ~3-5 s, not 30
+        assert time.monotonic() - started < 8
 
 
 def test_a_port_in_use_is_a_usage_error(proxy: ProxyProcess, own: str) -> None:

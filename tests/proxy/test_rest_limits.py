@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.proxy.conftest import RecordingModel, ServedModels
-from tests.proxy.test_rest import LocalRest, Raw, error_of, infer_body, request
+from tests.proxy.test_rest import LocalRest, Raw, error_of, infer_body, infer_head, request
 from tests.proxy.wire import TcpPipe
 from tests.support.ports import free_port
 from tests.support.proxy import ProxyProcess
@@ -23,10 +23,6 @@ from tritonshare.proxy.http1 import MAX_FIELD_BYTES
 from tritonshare.proxy.settings import ProxySettings
 
 pytestmark = pytest.mark.triton
-
-
-def _infer_head(own: str, length: int) -> bytes:
-    return f"POST /v2/models/{own}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode()
 
 
 @pytest.mark.parametrize("forwarded", [False, True], ids=["held-for-the-check", "streaming-to-triton"])
@@ -40,12 +36,12 @@ def test_a_stalled_request_body_is_timed_out_and_gives_back_its_slot(
     body = infer_body([1.0, 2.0])
     # Raw binary (Inference-Header-Content-Length: 0) is not held: Triton gets the head and the first bytes.
     binary = b"Inference-Header-Content-Length: 0\r\n" if forwarded else b""
-    stalled_request = _infer_head(own, 1000).replace(b"\r\n\r\n", b"\r\n" + binary + b"\r\n") + body[:10]
+    stalled_request = infer_head(own, 1000).replace(b"\r\n\r\n", b"\r\n" + binary + b"\r\n") + body[:10]
     with LocalRest(settings, header_timeout_s=1.0) as local, Raw(local.port) as stalled, Raw(local.port) as other:
         stalled.send(stalled_request)
         time.sleep(0.3)
         started = time.monotonic()
-        status, _, answer = other.send(_infer_head(own, len(body)) + body).response()
+        status, _, answer = other.send(infer_head(own, len(body)) + body).response()
         waited = time.monotonic() - started
         assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [1.0, 2.0]
         assert 0.5 < waited < 4, f"the second request waited {waited:.1f} s for the stalled one's slot"
@@ -61,7 +57,7 @@ def test_a_slow_body_that_keeps_coming_is_not_timed_out(triton: TritonServer, se
     settings = ProxySettings(name=own, triton_url=triton.url, host="127.0.0.1", http_port=0)
     body = infer_body([3.0])
     with LocalRest(settings, header_timeout_s=1.0) as local, Raw(local.port) as slow:
-        slow.send(_infer_head(own, len(body)))
+        slow.send(infer_head(own, len(body)))
         for i in range(0, len(body), len(body) // 5 + 1):  # 2.5 s in all, a piece every 0.5 s
             time.sleep(0.5)
             slow.send(body[i : i + len(body) // 5 + 1])
@@ -149,7 +145,7 @@ def test_an_upload_held_for_its_check_at_sigterm_is_completed(
     proxy = start_proxy(own, "--no-unload", "--drain-timeout-s", "10")
     body = infer_body([5.0, 6.0])
     with Raw(proxy.http_port) as conn:
-        conn.send(_infer_head(own, len(body)) + body[:20])
+        conn.send(infer_head(own, len(body)) + body[:20])
         time.sleep(0.3)
         proxy.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         time.sleep(0.5)
@@ -174,7 +170,7 @@ def test_requests_pipelined_behind_one_at_triton_are_read_only_up_to_a_bound(
     body = infer_body([7.0])
     ready = f"GET /v2/models/{model.name}/ready HTTP/1.1\r\nHost: x\r\n\r\n".encode()
     with Raw(proxy.http_port) as client:
-        client.send(_infer_head(model.name, len(body)) + body)
+        client.send(infer_head(model.name, len(body)) + body)
         time.sleep(0.3)  # it is at Triton for 3 s
         rss_before = proxy.rss_kib()
         client.sock.setblocking(False)
@@ -237,7 +233,7 @@ def test_a_content_length_over_max_body_bytes_is_413_from_the_head(
     own = served_models.own
     proxy = start_proxy(own, "--no-unload", "--max-body-bytes", str(LIMIT))
     with Raw(proxy.http_port) as raw:
-        status, headers, answer = raw.send(_infer_head(own, LIMIT + 1)).response()
+        status, headers, answer = raw.send(infer_head(own, LIMIT + 1)).response()
         assert status == 413 and headers["connection"] == "close"
         assert (
             error_of(answer) == f"the request body is larger than the proxy's limit of {LIMIT} bytes (--max-body-bytes)"
@@ -254,7 +250,7 @@ def test_a_body_over_max_body_bytes_never_reaches_triton(
     local, pipe = limited
     own = served_models.own
     with Raw(local.port) as raw:
-        status, _, _ = raw.send(_infer_head(own, LIMIT + 1) + _padded(infer_body([1.0]), LIMIT + 1)).response()
+        status, _, _ = raw.send(infer_head(own, LIMIT + 1) + _padded(infer_body([1.0]), LIMIT + 1)).response()
         assert status == 413 and raw.closed_by_peer()
     assert b"/infer" not in b"".join(pipe.sent)
     assert _refusals(local, "too_large") == 1

@@ -75,17 +75,21 @@ class ClientConnection(RequestPath, asyncio.Protocol):
         self.idle_since = asyncio.get_running_loop().time()
 
     def data_received(self, data: bytes) -> None:
-        if self.exchange is None and not self.buf and not self.closing:
-            # The common case: a whole request in one read, its head judged before (the memo) as needing no
-            # more than a look for the shared-memory marker (anywhere in the bytes: one in the head only sends
-            # the request the long way, which checks it properly) and a count of its body's opening brackets (no
-            # more than MAX_DEPTH of them: it cannot nest deeper, else the long way measures it; ~6 instructions
-            # a byte, skipped for a body of MAX_DEPTH bytes or less, which cannot) and, for infer, a look at the
-            # digits of its "shape" arrays (more than a few send it the long way: inspect.long_shapes); one write to
-            # Triton.
+        if self.exchange is None and not self.closing:
+            if self.buf:  # a head held for its body (_recall), or the start of a head
+                data, self.buf = self.buf + data, b""
+            # The common case: a whole request in one read (or a held head, then its body), its head judged before
+            # (the memo) as needing no more than a look for the shared-memory marker (anywhere in the bytes: one in
+            # the head only sends the request the long way, which checks it properly) and a count of its body's
+            # opening brackets (no more than MAX_DEPTH of them: it cannot nest deeper, else the long way measures
+            # it; ~6 instructions a byte, skipped for a body of MAX_DEPTH bytes or less, which cannot) and, for
+            # infer, a look at the digits of its "shape" arrays (more than a few send it the long way:
+            # inspect.long_shapes); one write to Triton.
             judged = self.last_judged
             if judged is None or len(data) != self.last_size or data[: len(self.last_head)] != self.last_head:
                 judged = self._recall(data)
+                if judged is None and self.buf:
+                    return  # a head held for its body (_recall)
             if (
                 judged is not None
                 and judged.quick
@@ -121,7 +125,7 @@ class ClientConnection(RequestPath, asyncio.Protocol):
                 else:
                     self._upstream().request(payload)
                 return
-        if self.buf:
+        elif self.buf:
             data, self.buf = self.buf + data, b""
         self._consume(data)
 
@@ -146,10 +150,18 @@ class ClientConnection(RequestPath, asyncio.Protocol):
 
     def _recall(self, data: bytes) -> Judged | None:
         """The memo's judgement of ``data`` when it is exactly one request, head and whole body (remembered
-        as the last one); else None."""
+        as the last one); else None. A head alone that would take the short path with its body is held for it
+        (``buf``), and remembered as the last one: a client writing the body apart (http.client, requests,
+        httpx) sends it next, and the two are then taken whole. If it is late, the next sweep starts the request
+        the general way (:meth:`expire`)."""
         head, end, rest = data.partition(b"\r\n\r\n")
         judged = self.heads.get(head) if end else None
-        if judged is None or len(rest) != judged.length:
+        if judged is None:
+            return None
+        if len(rest) != judged.length:
+            if not rest and judged.quick:
+                self.buf = data
+                self.last_head, self.last_size, self.last_judged = data, len(data) + judged.length, judged
             return None
         self.last_head, self.last_size, self.last_judged = data[: len(data) - len(rest)], len(data), judged
         return judged
@@ -224,6 +236,11 @@ class ClientConnection(RequestPath, asyncio.Protocol):
             elif idle_s >= UPSTREAM_IDLE_S and self.upstream is not None and not self.paused:
                 upstream, self.upstream = self.upstream, None  # for whoever needs one; the next request takes one
                 self.fe.pool.give(upstream)
+        elif ex is None and not self.paused and self.buf.endswith(b"\r\n\r\n"):
+            # A whole head held for its body (data_received), which is late: it becomes a request in progress now,
+            # whose body the stall clock then times as any other's.
+            data, self.buf = self.buf, b""
+            self._consume(data)
         elif self.stalled_since is None:
             self.stalled_since = now if self.progress else self.idle_since  # the first head: from the accept
             if now - self.stalled_since >= self.fe.header_timeout_s:
