@@ -442,3 +442,29 @@ def test_a_message_compressed_otherwise_than_its_encoding_says_is_refused(
     message = framed(packed(infer().SerializeToString()), compressed=True)
     refusal = inspect(message, encoding=encoding)
     assert refusal is not None and refusal.status == GRPC_INVALID_ARGUMENT
+
+
+CLASSIFICATION_REFUSED = Refusal(
+    GRPC_INVALID_ARGUMENT,
+    "the output parameter 'classification' is not available through this proxy: Triton 2.51 divides by zero to "
+    "classify a BYTES output, and dies (SIGFPE) with every tenant's model — rank the output in the client",
+    "classification",
+)
+
+
+@pytest.mark.parametrize("value", ["int64_param", "string_param"])
+def test_the_classification_parameter_of_an_output_is_refused_wherever_the_frames_split_it(value: str) -> None:
+    request = infer()
+    setattr(request.outputs[0].parameters["classification"], value, 1 if value == "int64_param" else "1")
+    data = framed(request.SerializeToString())
+    assert every_cut(data) == {CLASSIFICATION_REFUSED}
+    assert inspect(data, limit=8) == CLASSIFICATION_REFUSED  # (an output larger than the parameter fields kept)
+
+
+def test_the_word_classification_that_is_no_output_parameter_passes() -> None:
+    request = infer()
+    request.outputs.add(name="classification")
+    request.outputs[0].parameters["note"].string_param = "classification"
+    request.parameters["classification"].int64_param = 1  # (Triton reads it on outputs only)
+    request.raw_input_contents.append(b"classification")
+    assert every_cut(framed(request.SerializeToString())) == {None}

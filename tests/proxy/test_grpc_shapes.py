@@ -18,6 +18,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from tests.proxy.test_grpc import BIG, INFER, infer_request, raw_call
 from tests.support.install import own_triton_serving
+from tests.support.models import IDENTITY_CONFIG
 from tests.support.proxy import ProxyProcess
 from tests.support.triton import TritonServer
 from tritonshare.proxy.policy import GRPC_SERVICE
@@ -105,3 +106,25 @@ def test_a_large_shape_the_message_carries_passes(proxy: ProxyProcess, typed: bo
         reply = pb.ModelInferResponse.FromString(raw_call(channel, INFER, request.SerializeToString()))
     got = np.frombuffer(reply.raw_output_contents[0], np.float32)
     assert np.array_equal(got, values), json.dumps(list(reply.outputs[0].shape))
+
+
+def test_negative_dims_are_refused_and_the_models_stub_lives(
+    tmp_path: Path, start_proxy: Callable[..., ProxyProcess]
+) -> None:
+    # Two negative dims multiply to a positive count: [-2**31, -2**31] FP32 is 2**64 bytes, 0 in Triton's 64-bit
+    # check, and a model with two variable dims took it with empty contents: its Python stub died (then every
+    # request failed "Stub process is not healthy", the model still READY).
+    config = IDENTITY_CONFIG.replace("dims: [ -1 ]", "dims: [ -1, -1 ]")
+    with own_triton_serving(tmp_path, MODEL, config=config) as triton:
+        proxy = start_proxy(MODEL, "--no-unload", server=triton)
+        values = np.arange(4, dtype=np.float32).reshape(2, 2)
+        with grpc.insecure_channel(proxy.grpc_url) as channel:
+            for shape in [[-(2**31), -(2**31)], [-2, -(2**61)]]:
+                with pytest.raises(grpc.RpcError) as info:
+                    raw_call(channel, INFER, _declaring(shape))
+                call: grpc.Call = info.value  # type: ignore[assignment]
+                assert call.code() == grpc.StatusCode.INVALID_ARGUMENT, (shape, call.details())
+                assert "negative dim" in (call.details() or "") and str(shape[0]) in (call.details() or "")
+            request = infer_request(MODEL, values).SerializeToString()
+            reply = pb.ModelInferResponse.FromString(raw_call(channel, INFER, request))
+        assert np.array_equal(np.frombuffer(reply.raw_output_contents[0], np.float32), values.ravel())

@@ -606,3 +606,47 @@ def test_a_body_of_unknown_length_passes_binary_inputs_larger_than_its_json() ->
     check_shapes(
         b'{"inputs":[{"shape":[2000000],"parameters":{"binary_data_size":8000000}}],"data":1}', 1 << 30, exact=False
     )
+
+
+_CLASSIFIED = json.dumps({**CLEAN, "outputs": [{"name": "OUTPUT0", "parameters": {"classification": 3}}]}).encode()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        _CLASSIFIED,
+        _CLASSIFIED.replace(b'"classification"', b'"cl\\u0061ssification"'),
+        _CLASSIFIED.replace(b'"classification"', b'"classification" \n'),
+        json.dumps({**CLEAN, "parameters": {"classification": "x"}}).encode(),  # (anywhere: Triton refuses the rest)
+    ],
+)
+def test_the_classification_parameter_is_refused_in_any_spelling(body: bytes) -> None:
+    # Triton 2.51 divides by a BYTES output's datatype size (0) to classify it: SIGFPE, the whole server.
+    for refused in [
+        _refused(check_plain_body, body, None, 1 << 20, shapes=True),
+        _refused(_fed_whole, body, "gzip"),
+    ]:
+        assert refused.status == 400 and refused.reason == "classification" and "'classification'" in refused.message
+
+
+def _fed_whole(body: bytes, encoding: str) -> None:
+    check = InferBodyCheck(encoding=encoding, json_length=None, max_json_bytes=1 << 20, shapes=True)
+    check.feed(gzip.compress(body) if encoding == "gzip" else body)
+    check.finish()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        json.dumps({**CLEAN, "id": "classification"}).encode(),  # a value
+        json.dumps({**CLEAN, "outputs": [{"name": 'x", "classification": 1'}]}).encode(),  # inside a string
+        json.dumps({**CLEAN, "outputs": [{"name": "classification"}]}).encode(),  # an output of that name
+    ],
+)
+def test_the_word_classification_that_is_no_key_passes(body: bytes) -> None:
+    check_plain_body(body, None, 1 << 20, shapes=True)
+    _fed_whole(body, "gzip")
+
+
+def test_the_classification_check_is_off_for_other_routes() -> None:
+    check_plain_body(_CLASSIFIED, None, 1 << 20)  # generate: no outputs are classified there

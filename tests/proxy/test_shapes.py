@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import math
 import random
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -18,7 +19,7 @@ from tests.proxy.test_grpc_messages import INFER, OWN, STATS, _varint, framed, i
 from tritonshare.proxy.grpc_messages import MessageInspector, MessageJudge
 from tritonshare.proxy.policy import GRPC_INVALID_ARGUMENT
 from tritonshare.proxy.protobuf import MalformedMessage, MessageWalker
-from tritonshare.proxy.shapes import SHAPE_FLOOR, TOO_MANY, UNCHECKED, InputShape, declared
+from tritonshare.proxy.shapes import NEGATIVE_DIM, SHAPE_FLOOR, TOO_MANY, InputShape, declared
 
 Tensor = pb.ModelInferRequest.InferInputTensor
 DIMS = st.one_of(
@@ -53,7 +54,7 @@ def input_bytes(draw: st.DrawFn) -> bytes:
 
 def protobuf_elements(data: bytes) -> int:
     shape = list(Tensor.FromString(data).shape)
-    return UNCHECKED if any(dim < 0 for dim in shape) else min(math.prod(shape), TOO_MANY)
+    return NEGATIVE_DIM if any(dim < 0 for dim in shape) else min(math.prod(shape), TOO_MANY)
 
 
 @settings(max_examples=300, deadline=None)
@@ -66,7 +67,7 @@ def test_declared_elements_are_protobufs_product_whole_or_in_pieces(data: bytes,
     for start, end in zip(bounds, bounds[1:], strict=False):
         shape.feed(data, start, end)
     assert shape.finish() == expected
-    assert shape.name == b"INPUT0" and shape.dims[:8] == [d & (2**64 - 1) for d in Tensor.FromString(data).shape][:8]
+    assert shape.name == b"INPUT0" and shape.dims[:8] == list(Tensor.FromString(data).shape)[:8]
 
 
 @pytest.mark.parametrize(
@@ -114,12 +115,28 @@ def carried_exactly(extra: int) -> bytes:
         (declaring([2**63 - 1]), True),
         (declaring([SHAPE_FLOOR]), False),  # the floor, whatever the message
         (declaring([SHAPE_FLOOR + 1]), True),
-        (declaring([2, -1, 2**62]), False),  # a negative dim: Triton refuses it
+        (declaring([2, -1, 2**62]), True),
+        (declaring([-(2**31), -(2**31)]), True),  # 2**62 elements: 0 bytes of FP32 in Triton's 64-bit check
+        (declaring([-2, -3], 24), True),
+        (declaring([-2, 0]), True),  # (a negative dim refuses whatever follows)
         (declaring([0, 2**62]), False),
         (carried_exactly(0), False),
         (carried_exactly(1), True),
     ],
-    ids=["2**62", "10**12", "2**63-1", "floor", "floor+1", "negative", "zero", "carried", "carried+1"],
+    ids=[
+        "2**62",
+        "10**12",
+        "2**63-1",
+        "floor",
+        "floor+1",
+        "negative",
+        "two-negatives",
+        "small-negatives",
+        "negative-then-0",
+        "zero",
+        "carried",
+        "carried+1",
+    ],
 )
 def test_an_input_declaring_more_than_the_message_carries_is_refused_wherever_it_splits(
     message: bytes, refused: bool
@@ -133,7 +150,8 @@ def test_an_input_declaring_more_than_the_message_carries_is_refused_wherever_it
     assert len(verdicts) == 1
     (refusal,) = verdicts
     assert refusal is not None and refusal.status == GRPC_INVALID_ARGUMENT and refusal.reason == "shape"
-    assert "input 'INPUT0' of shape [" in refusal.message and "declares more elements" in refusal.message
+    said = "has a negative dim" if re.search(r"of shape \[[^\]]*-", refusal.message) else "declares more elements"
+    assert "input 'INPUT0' of shape [" in refusal.message and said in refusal.message
 
 
 def test_a_compressed_message_is_bounded_by_its_inflated_length() -> None:

@@ -72,10 +72,10 @@ def lease_lock_is_free(layout: NodeLayout, name: str) -> bool:
 
 
 @contextmanager
-def own_triton_serving(folder: Path, model: str) -> Iterator[TritonServer]:
-    """A Triton of the test's own, serving the identity model ``model`` from ``folder/models``, killed afterwards
-    (a test that may crash it, or its model's stub, must not share the session's)."""
-    write_model(folder / "models" / model)
+def own_triton_serving(folder: Path, model: str, *, config: str = IDENTITY_CONFIG) -> Iterator[TritonServer]:
+    """A Triton of the test's own, serving the identity model ``model`` (of ``config``) from ``folder/models``, killed
+    afterwards (a test that may crash it, or its model's stub, must not share the session's)."""
+    write_model(folder / "models" / model, config=config)
     server = TritonServer(repository=folder / "models", log_path=folder / "triton.log").start()
     try:
         wait_model_ready(server, model)

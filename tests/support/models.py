@@ -25,6 +25,9 @@ class TritonPythonModel:
         return out
 """
 
+# The identity model over strings (INPUT0 BYTES [-1] -> OUTPUT0 BYTES): the same model.py serves it.
+BYTES_IDENTITY_CONFIG = IDENTITY_CONFIG.replace("TYPE_FP32", "TYPE_STRING")
+
 # A model whose initialize() raises: Triton marks it UNAVAILABLE with this text as the reason.
 BROKEN_MODEL = """\
 class TritonPythonModel:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from tritonshare.proxy import held, http2
 from tritonshare.proxy.inflation import INFLATES_TOO_FAR, CorruptStream, InflatesTooFar, Inflation
 from tritonshare.proxy.policy import (
+    CLASSIFICATION_REFUSAL,
     GRPC_INVALID_ARGUMENT,
     GRPC_NOT_FOUND,
     GRPC_PERMISSION_DENIED,
@@ -122,6 +123,8 @@ class MessageJudge:
             return None
         if result.overdeclared:
             return Refusal(GRPC_INVALID_ARGUMENT, result.overdeclared, "shape")
+        if result.classified:
+            return Refusal(GRPC_INVALID_ARGUMENT, CLASSIFICATION_REFUSAL, "classification")
         if result.oversized:
             return Refusal(
                 GRPC_RESOURCE_EXHAUSTED,

@@ -15,7 +15,8 @@ What the JSON is, read the way Triton reads it (``http_server.cc``):
 - generate / generate_stream: the whole body (the header is ignored by Triton there).
 
 An infer request's input shapes must not declare more elements than its body can carry (:func:`check_shapes`):
-Triton allocates what a shape declares before it reads the data, and aborts when that is too much.
+Triton allocates what a shape declares before it reads the data, and aborts when that is too much. Nor may it
+name the ``classification`` parameter (:func:`check_classification`): Triton dies classifying a BYTES output.
 
 Only the JSON part is held, bounded by ``max_json_bytes`` (more is a 413). A compressed body is inflated
 whole as it passes, in bounded steps, its output past the JSON part dropped (:class:`BodyInflation`): Triton
@@ -44,7 +45,7 @@ from tritonshare.proxy.inflation import (
     InflatesTooFar,
     Inflation,
 )
-from tritonshare.proxy.policy import SHM_MARKER, SHM_PARAMETERS
+from tritonshare.proxy.policy import CLASSIFICATION, CLASSIFICATION_REFUSAL, SHM_MARKER, SHM_PARAMETERS
 
 # Content-Encoding -> zlib wbits (None: the body is not encoded). Both compressed forms are read with automatic
 # zlib/gzip header detection, as Triton does.
@@ -257,6 +258,20 @@ def check_shapes(part: bytes, carried: int, *, exact: bool = True) -> None:
         _check_inline_data(part, inline)
 
 
+CLASSIFICATION_WORD = CLASSIFICATION.encode()
+_SPELLED_CLASSIFICATION = re.compile(b'"' + _spelled(CLASSIFICATION) + b'"' + _COLON).search
+
+
+def check_classification(part: bytes) -> None:
+    """Raise :class:`BodyRefused` if this infer JSON has a ``classification`` key, in any spelling, anywhere (Triton
+    reads it on outputs only, where it may kill the server: :data:`~tritonshare.proxy.policy.CLASSIFICATION_REFUSAL`;
+    finding where a key is would take a parse). JSON with neither the word nor an escape is not searched further.
+    A ``"classification":`` inside a string can be one only with its quotes escaped, which the pattern does not
+    take for quotes."""
+    if (part.partition(CLASSIFICATION_WORD)[1] or part.partition(ESCAPE)[1]) and _SPELLED_CLASSIFICATION(part):
+        raise BodyRefused(400, CLASSIFICATION_REFUSAL, "classification")
+
+
 _INLINE_PARSE_BYTES = 1 << 20  # a JSON part parsed to tell inline-data inputs from binary ones, at most
 
 
@@ -321,7 +336,7 @@ def _elements(dims: bytes) -> int:
 
 def check_plain_body(body: bytes, json_length: int | None, max_json_bytes: int, *, shapes: bool = False) -> None:
     """Check a whole unencoded body at once (the common case: it arrived with its head); ``shapes``: an infer
-    request's input shapes too (:func:`check_shapes`)."""
+    request's input shapes (:func:`check_shapes`) and outputs (:func:`check_classification`) too."""
     if json_length == 0:
         return
     part = body if json_length is None else body[:json_length]
@@ -332,6 +347,7 @@ def check_plain_body(body: bytes, json_length: int | None, max_json_bytes: int, 
     check_json(part)
     if shapes:
         check_shapes(part, len(body))
+        check_classification(part)
 
 
 class InferBodyCheck:
@@ -354,8 +370,8 @@ class InferBodyCheck:
         content_length: int | None = None,
         shapes: bool = False,
     ) -> None:
-        """``content_length``: the body's, None when chunked; ``shapes``: an infer request's input shapes are
-        checked too (:func:`check_shapes`)."""
+        """``content_length``: the body's, None when chunked; ``shapes``: an infer request's input shapes
+        (:func:`check_shapes`) and outputs (:func:`check_classification`) are checked too."""
         self.inflation = inflation_for(encoding, max_body_bytes)  # RequestBody goes on with it past the JSON part
         self._shapes = shapes
         self._length = content_length
@@ -415,6 +431,7 @@ class InferBodyCheck:
                 check_shapes(part, len(part))
             else:
                 check_shapes(part, self._carried, exact=self.inflation is None and self._length is not None)
+            check_classification(part)
         held, self._held = self._held, []
         return [part, *held] if part and self.inflation is None else held  # (an empty chunk would end a chunked body)
 

@@ -41,6 +41,16 @@ SHM_PARAMETERS = frozenset({"shared_memory_region", "shared_memory_offset", "sha
 # Every one of them contains this; a body without it (and, for JSON, without any \u escape) cannot name one.
 SHM_MARKER = b"shared_memory_"
 
+# Triton 2.51 ranks a requested output's elements for its "classification" parameter after dividing the output's
+# byte size by its datatype's size (classification.cc), which is 0 for BYTES: asked of a BYTES output, in any class
+# count, through REST or gRPC, it killed the server here (SIGFPE), every tenant's model with it. An infer request
+# does not say its outputs' datatypes, so the parameter is refused on any output.
+CLASSIFICATION = "classification"
+CLASSIFICATION_REFUSAL = (
+    f"the output parameter {CLASSIFICATION!r} is not available through this proxy: Triton 2.51 divides by zero to "
+    "classify a BYTES output, and dies (SIGFPE) with every tenant's model — rank the output in the client"
+)
+
 
 # ---------------------------------------------------------------------------------------------- REST
 

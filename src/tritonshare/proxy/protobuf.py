@@ -13,6 +13,9 @@ What they read (REFERENCE §3, §6):
   ``map<string, InferParameter>``), each input's (field 5 → field 4) and each output's (field 6 →
   field 2). Protobuf strings are not escaped, so a field whose bytes never contain ``SHM_MARKER`` names
   no such parameter; only a field that does is kept (bounded) and parsed in full.
+- for infer requests, the ``classification`` parameter of each output (field 6 → field 2): refused, Triton dies
+  classifying a BYTES output (:data:`~tritonshare.proxy.policy.CLASSIFICATION_REFUSAL`). An output whose bytes
+  never contain the word names no such parameter; one that does is parsed.
 - for infer requests, each input's shape (field 5 → field 3): an input declaring more elements than the message
   can carry is refused (:mod:`tritonshare.proxy.shapes`, which says why). Only the inputs are read; the contents
   (field 7) are skipped by length as any other field.
@@ -27,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tritonshare.proxy.policy import SHM_MARKER, SHM_PARAMETERS
+from tritonshare.proxy.policy import CLASSIFICATION, SHM_MARKER, SHM_PARAMETERS
 from tritonshare.proxy.shapes import INPUTS_TAG, SHAPE_FLOOR, InputShape, declared, overdeclared, read_shape
 
 MODEL_NAME_FIELD = 1
@@ -38,6 +41,11 @@ PARAMETER_FIELDS: dict[int, int | None] = {4: None, 5: 4, 6: 2}
 _SHM_KEYS = frozenset(name.encode() for name in SHM_PARAMETERS)
 _NAME_LIMIT = 1024  # longer names are no model's name; kept only for the error message
 _MARKER_TAIL = len(SHM_MARKER) - 1
+OUTPUTS_FIELD = 6
+_OUTPUTS_TAG = OUTPUTS_FIELD << 3 | 2
+_CLASSIFICATION = CLASSIFICATION.encode()
+_CLASSIFICATION_KEYS = frozenset({_CLASSIFICATION})
+_CLASSIFICATION_TAIL = len(_CLASSIFICATION) - 1
 
 # Walker states.
 _TAG, _LENGTH, _VARINT, _SKIP, _VALUE = range(5)
@@ -89,6 +97,7 @@ class WalkResult:
     suspects: list[tuple[int, bytes]] = field(default_factory=list)  # parameter fields holding SHM_MARKER
     oversized: bool = False  # a parameter field held SHM_MARKER but was too large to keep and parse
     overdeclared: str = ""  # an input's shape declares more elements than the message carries: the refusal
+    classified: bool = False  # an output names the classification parameter (or may: too large to parse)
 
 
 class FieldWalker:
@@ -107,6 +116,8 @@ class FieldWalker:
         "_kept",
         "_hit",
         "_tail",
+        "_named",
+        "_named_tail",
         "_result",
         "_budget",
         "_field_cost",
@@ -134,6 +145,8 @@ class FieldWalker:
         self._parts: list[bytes | memoryview] | None = None
         self._hit = False
         self._tail = b""
+        self._named = False  # the output (field 6) being walked holds the word "classification"
+        self._named_tail = b""
         self._result = WalkResult()
         self._shape: InputShape | None = None  # the shape of the input (field 5) being walked
         self._worst: InputShape | None = None  # of the inputs walked, the one declaring the most elements
@@ -207,6 +220,7 @@ class FieldWalker:
             self._result.model_name, self._result.name_complete = b"", length <= _NAME_LIMIT
         elif self._inspect and number in PARAMETER_FIELDS:
             self._parts, self._kept, self._hit, self._tail = [], 0, False, b""
+            self._named, self._named_tail = False, b""
             if number == INPUTS_TAG >> 3:
                 self._shape = InputShape()
         else:
@@ -235,6 +249,10 @@ class FieldWalker:
             seam = self._tail + buf[start : start + _MARKER_TAIL]
             self._hit = buf.find(SHM_MARKER, start, end) >= 0 or SHM_MARKER in seam
             self._tail = buf[max(start, end - _MARKER_TAIL) : end]
+        if self._field == OUTPUTS_FIELD and not self._named:
+            seam = self._named_tail + buf[start : start + _CLASSIFICATION_TAIL]
+            self._named = buf.find(_CLASSIFICATION, start, end) >= 0 or _CLASSIFICATION in seam
+            self._named_tail = buf[max(start, end - _CLASSIFICATION_TAIL) : end]
         if self._parts is not None:
             self._kept += end - start
             if self._kept <= self._limit:
@@ -277,6 +295,10 @@ class FieldWalker:
         if self._shape is not None:
             self._end_input(self._shape)
             self._shape = None
+        if self._named:  # (too large to parse: refused as if it named it)
+            parts = self._parts
+            if parts is None or names_parameter(OUTPUTS_FIELD, b"".join(parts), _CLASSIFICATION_KEYS):
+                self._result.classified = True
         if self._hit:
             if self._parts is None:
                 self._result.oversized = True
@@ -376,6 +398,8 @@ class MessageWalker:
                 elif self._inspect and tag >> 3 in PARAMETER_FIELDS:
                     if buf.find(SHM_MARKER, pos, stop) >= 0:
                         details = _suspect(details or WalkResult(), tag >> 3, buf[pos:stop], self._limit)
+                    if tag == _OUTPUTS_TAG and buf.find(_CLASSIFICATION, pos, stop) >= 0:
+                        details = _check_output(details, buf[pos:stop])
                     if tag == INPUTS_TAG and declared(buf, pos, stop) > SHAPE_FLOOR:  # (rare: read again, to tell)
                         details = _check_input(details, buf, pos, stop, end - start)
                 pos = stop
@@ -396,6 +420,16 @@ def _check_input(details: WalkResult | None, buf: bytes, pos: int, stop: int, ca
         return details
     details = details or WalkResult()
     details.overdeclared = overdeclared(read_shape(buf[pos:stop]), carried)  # (its bytes are a message: read)
+    return details
+
+
+def _check_output(details: WalkResult | None, output: bytes) -> WalkResult | None:
+    """The walk's details once an output holding the word "classification" is read: marked if it names the
+    parameter."""
+    if not names_parameter(OUTPUTS_FIELD, output, _CLASSIFICATION_KEYS):
+        return details
+    details = details or WalkResult()
+    details.classified = True
     return details
 
 
@@ -495,6 +529,11 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
 def names_shm_parameter(number: int, data: bytes) -> bool:
     """Does top-level field ``number`` (4 parameters, 5 an input, 6 an output) name a shared-memory
     parameter? Any occurrence of a key counts, not only the last one protobuf would keep."""
+    return names_parameter(number, data, _SHM_KEYS)
+
+
+def names_parameter(number: int, data: bytes, keys: frozenset[bytes]) -> bool:
+    """Does top-level field ``number`` (4 parameters, 5 an input, 6 an output) name a parameter of ``keys``?"""
     inner = PARAMETER_FIELDS[number]
     entries = [data] if inner is None else [value for key, value in length_delimited(data) if key == inner]
-    return any(key == 1 and value in _SHM_KEYS for entry in entries for key, value in length_delimited(entry))
+    return any(key == 1 and value in keys for entry in entries for key, value in length_delimited(entry))

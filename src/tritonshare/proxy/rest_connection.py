@@ -26,7 +26,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, cast
 
 from tritonshare.proxy.http1 import ResponseHead
-from tritonshare.proxy.inspect import ESCAPE, MAX_DEPTH, long_shapes
+from tritonshare.proxy.inspect import CLASSIFICATION_WORD, ESCAPE, MAX_DEPTH, long_shapes
 from tritonshare.proxy.metrics import BUCKETS
 from tritonshare.proxy.overload import half_close
 from tritonshare.proxy.policy import SHM_MARKER
@@ -84,7 +84,8 @@ class ClientConnection(RequestPath, asyncio.Protocol):
             # opening brackets (no more than MAX_DEPTH of them: it cannot nest deeper, else the long way measures
             # it; ~6 instructions a byte, skipped for a body of MAX_DEPTH bytes or less, which cannot) and, for
             # infer, a look at the digits of its "shape" arrays (more than a few send it the long way:
-            # inspect.long_shapes); one write to Triton.
+            # inspect.long_shapes) and for the word "classification" (inspect.check_classification); one write to
+            # Triton.
             judged = self.last_judged
             if judged is None or len(data) != self.last_size or data[: len(self.last_head)] != self.last_head:
                 judged = self._recall(data)
@@ -105,7 +106,10 @@ class ClientConnection(RequestPath, asyncio.Protocol):
                             and data.count(b"[", len(self.last_head)) + data.count(b"{", len(self.last_head))
                             > MAX_DEPTH
                         )
-                        or (judged.shapes and long_shapes(data, len(self.last_head)))
+                        or (
+                            judged.shapes
+                            and (long_shapes(data, len(self.last_head)) or data.partition(CLASSIFICATION_WORD)[1])
+                        )
                     )
                 )
                 and (not judged.gated or self._gates_open(judged))

@@ -12,8 +12,11 @@ floor) is refused before Triton sees it.
 :func:`declared` reads an input lying whole in one buffer (the fast path: a few fields, its contents skipped by
 length); :class:`InputShape` reads one fed in pieces, and keeps the input's name and first dims for the refusal.
 Protobuf appends every occurrence of a repeated field, packed or not, so all of them count. A dim that is negative
-(as int64) leaves the input unchecked: Triton refuses it. Bytes that are not a message raise ``ValueError`` (the
-walkers of :mod:`tritonshare.proxy.protobuf` refuse the message); a tag wider than 32 bits too, as they do.
+(as int64) refuses the input whatever the rest (:data:`NEGATIVE_DIM`): Triton refuses -1 ("all input dimensions
+should be specified") and an odd count of them (a negative byte size), but two (FP32 [-2**31, -2**31] of a model
+with two variable dims) multiply to 2**62 elements, 0 bytes in 64 bits, and the Python backend's stub died on it.
+Bytes that are not a message raise ``ValueError`` (the walkers of :mod:`tritonshare.proxy.protobuf` refuse the
+message); a tag wider than 32 bits too, as they do.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from math import prod
 
 from tritonshare.proxy.inspect import SHAPE_FLOOR, TOO_MANY
 
-__all__ = ["SHAPE_FLOOR", "TOO_MANY", "InputShape", "declared", "overdeclared", "read_shape"]
+__all__ = ["NEGATIVE_DIM", "SHAPE_FLOOR", "TOO_MANY", "InputShape", "declared", "overdeclared", "read_shape"]
 
 INPUTS_TAG = 5 << 3 | 2  # ModelInferRequest.inputs, length-delimited
 _NAME_TAG = 1 << 3 | 2  # InferInputTensor.name
@@ -32,7 +35,7 @@ _DIM_TAG = 3 << 3  # one dim of it, not packed (a parser accepts either)
 _MAX_TAG = 0xFFFF_FFFF
 _U64 = (1 << 64) - 1  # protobuf's C++ parser keeps a varint's low 64 bits
 _NEGATIVE = 1 << 63  # an int64 dim below 0
-UNCHECKED = -1  # a negative dim: Triton refuses the input itself
+NEGATIVE_DIM = TOO_MANY + 1  # the count of an input with a negative dim: more than any, and kept whatever follows
 _QUICK_DIMS = 8  # one-byte dims multiplied in one call (127**8 < 2**56: no bignum)
 _NAME_KEPT = 64  # bytes of an input's name kept for the refusal
 _DIMS_KEPT = 8  # dims kept for the refusal
@@ -40,7 +43,7 @@ _DIMS_KEPT = 8  # dims kept for the refusal
 
 def declared(buf: bytes, pos: int, end: int) -> int:
     """The elements the input ``buf[pos:end]`` declares (the product of its dims, at most :data:`TOO_MANY`), or
-    :data:`UNCHECKED`.
+    :data:`NEGATIVE_DIM`.
 
     At a glance first, in the layout every serializer writes for a small shape — name (field 1) and datatype (2)
     of fewer than 128 bytes, then a packed shape (3) of one or two one-byte dims ending the input: a walk costs
@@ -78,14 +81,14 @@ def _walked(buf: bytes, pos: int, end: int) -> int:
                 raise ValueError(f"field {tag >> 3} of an input runs past the end of the input")
             if tag == _SHAPE_TAG:
                 count = _times(count, buf, pos, stop)
-                if count < 0:
-                    return UNCHECKED
+                if count == NEGATIVE_DIM:
+                    return count
             pos = stop
         else:
             pos, dim = _scalar(buf, pos, end, tag)
             if tag == _DIM_TAG:
                 if dim & _NEGATIVE:
-                    return UNCHECKED
+                    return NEGATIVE_DIM
                 count = min(count * dim, TOO_MANY)
         if tag < 8:
             raise ValueError("field number 0 in an input")
@@ -93,7 +96,7 @@ def _walked(buf: bytes, pos: int, end: int) -> int:
 
 
 def _times(count: int, buf: bytes, pos: int, stop: int) -> int:
-    """``count`` times the packed dims ``buf[pos:stop]`` (saturating), or :data:`UNCHECKED`."""
+    """``count`` times the packed dims ``buf[pos:stop]`` (saturating), or :data:`NEGATIVE_DIM`."""
     if stop - pos <= _QUICK_DIMS:
         dims = buf[pos:stop]
         if max(dims, default=0) < 0x80:  # one byte each: the bytes are the dims
@@ -101,7 +104,7 @@ def _times(count: int, buf: bytes, pos: int, stop: int) -> int:
     while pos < stop:
         dim, pos = _varint(buf, pos, stop)
         if dim & _NEGATIVE:
-            return UNCHECKED
+            return NEGATIVE_DIM
         count = min(count * dim, TOO_MANY)
     return count
 
@@ -220,10 +223,10 @@ class InputShape:
 
     def _dim(self, dim: int) -> None:
         if len(self.dims) <= _DIMS_KEPT:  # (one more than shown: tells that there are more)
-            self.dims.append(dim)
-        if self.count == UNCHECKED:
+            self.dims.append(dim - (1 << 64) if dim & _NEGATIVE else dim)
+        if self.count == NEGATIVE_DIM:
             return
-        self.count = UNCHECKED if dim & _NEGATIVE else min(self.count * dim, TOO_MANY)
+        self.count = NEGATIVE_DIM if dim & _NEGATIVE else min(self.count * dim, TOO_MANY)
 
     def finish(self) -> int:
         if self._state != _TAG or self._shift:
@@ -235,6 +238,11 @@ def overdeclared(shape: InputShape, carried: int) -> str:
     """The refusal of an input that declares more elements than a message of ``carried`` bytes can carry."""
     dims = ", ".join(map(str, shape.dims[:_DIMS_KEPT])) + (", …" if len(shape.dims) > _DIMS_KEPT else "")
     name = shape.name.decode("utf-8", "replace")
+    if shape.count == NEGATIVE_DIM:
+        return (
+            f"input {name!r} of shape [{dims}] has a negative dim: Triton takes two of them for a positive element "
+            "count, whose 64-bit byte size can wrap to what the message carries"
+        )
     return (
         f"input {name!r} of shape [{dims}] declares more elements than the {carried}-byte message can carry "
         f"(at least a byte each, or {SHAPE_FLOOR}): Triton would size the input from its shape"
