@@ -499,3 +499,99 @@ def test_folders_triton_reads_without_aborting_are_let_through(tmp_path: Path, f
     write_model(tmp_path / "m")
     (tmp_path / "m" / folder).mkdir()
     assert prepare(tmp_path / "m", "mine", "s3://b/m") == tmp_path / "m"
+
+
+def warmup(dims: str, data: str = "zero_data: true", *, batch_size: int = 1, data_type: str = "TYPE_FP32") -> str:
+    return IDENTITY_CONFIG + (
+        f'model_warmup [ {{ name: "w" batch_size: {batch_size} inputs {{ key: "INPUT0" value {{ '
+        f"data_type: {data_type} dims: {dims} {data} }} }} }} ]\n"
+    )
+
+
+def initial_state(dims: str) -> str:
+    return IDENTITY_CONFIG.replace("max_batch_size: 0", "max_batch_size: 8") + (
+        'sequence_batching { state [ { input_name: "IS" output_name: "OS" data_type: TYPE_FP32 dims: [ 1 ] '
+        f'initial_state: {{ data_type: TYPE_FP32 dims: {dims} zero_data: true name: "init" }} }} ] }}\n'
+    )
+
+
+def sequences(max_batch_size: int, strategy: str) -> str:
+    config = IDENTITY_CONFIG.replace("max_batch_size: 0", f"max_batch_size: {max_batch_size}")
+    return config + f"sequence_batching {{ {strategy} }}\n"
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        (warmup("[ 1000000000000 ]"), r"model_warmup 'w', input 'INPUT0' asks Triton for 4000000000000 bytes"),
+        (warmup("[ 1000000000000 ]", "random_data: true"), "4000000000000 bytes"),
+        (warmup("[ 4611686018427387904 ]"), r"18446744073709551616 bytes"),  # 0 bytes in Triton's int64
+        (
+            warmup("[ 65536, 16385 ]", data_type="TYPE_UINT8"),
+            r"1073807360 bytes of synthetic data \(dims \[65536, 16385\]\)",
+        ),
+        (warmup("[ 268435457 ]", "random_data: true", data_type="TYPE_STRING"), "1073741828 bytes"),
+        (warmup("[ 2, -2 ]"), "a negative dimension"),
+        (initial_state("[ 1000000000000 ]"), r"sequence_batching state 'IS', initial_state asks Triton for"),
+        (warmup("[ 6 ]", batch_size=2**31 - 1), "batch_size 2147483647, and Triton builds one request per unit"),
+        (sequences(2**31 - 1, "direct { }"), "max_batch_size 2147483647 with sequence_batching's direct strategy"),
+        (sequences(65537, ""), "max_batch_size 65537 with sequence_batching's direct strategy"),
+    ],
+    ids=[
+        "zero",
+        "random",
+        "wraps-to-0",
+        "just-over",
+        "string",
+        "negative",
+        "initial-state",
+        "batch-size",
+        "sequence-slots",
+        "default-strategy",
+    ],
+)
+def test_a_config_making_triton_allocate_beyond_what_it_checks_at_load_is_refused(
+    tmp_path: Path, config: str, why: str
+) -> None:
+    """Triton 2.51 allocates a warmup sample's zero or random data, and a sequence's zero initial state, at load
+    and fills it without checking the allocation: the whole server dies (SIGSEGV) with every tenant's model; a
+    warmup batch_size is as many requests built one by one, a load that never ends. Seen with a real Triton."""
+    write_model(tmp_path / "m", config=config)
+    with pytest.raises(InvalidModel, match=why) as info:
+        prepare(tmp_path / "m", "mine", "s3://b/m")
+    assert str(info.value).startswith("s3://b/m: config.pbtxt: ")
+    assert info.value.exit_code == ExitCode.SOURCE_PERMANENT
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        warmup("[ 6 ]"),
+        warmup("[ 6 ]", batch_size=0),
+        warmup("[ 1073741824 ]", data_type="TYPE_BOOL"),  # the bound itself
+        warmup("[ -1 ]"),  # Triton refuses a variable dimension itself: the tenant's own model fails
+        warmup("[ ]", "random_data: true"),
+        warmup("[ 1000000000000 ]", 'input_data_file: "raw"'),  # read from a file: Triton checks its size
+        warmup("[ 6 ]", batch_size=65536),
+        initial_state("[ 1 ]"),
+        initial_state("[ 1000000000000 ]").replace("zero_data: true", 'data_file: "init"'),
+        sequences(65536, "direct { }"),
+        IDENTITY_CONFIG.replace("max_batch_size: 0", "max_batch_size: 2147483647"),  # no sequence batcher: READY
+    ],
+    ids=[
+        "small",
+        "batch-0",
+        "at-the-bound",
+        "variable",
+        "scalar",
+        "from-a-file",
+        "batch-at-bound",
+        "state",
+        "file",
+        "sequence-slots",
+        "no-sequences",
+    ],
+)
+def test_load_data_triton_can_allocate_is_let_through(tmp_path: Path, config: str) -> None:
+    write_model(tmp_path / "m", config=config)
+    assert prepare(tmp_path / "m", "mine", "s3://b/m") == tmp_path / "m"

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from tests.support.install import model_ready, wait_model_ready
-from tests.support.models import BROKEN_MODEL, IDENTITY_MODEL, write_model
+from tests.support.install import model_ready, own_triton_serving, wait_model_ready
+from tests.support.models import BROKEN_MODEL, IDENTITY_CONFIG, IDENTITY_MODEL, write_model
 from tests.support.ports import free_port
 from tests.support.storage import make_tar
 from tests.support.triton import TritonServer
@@ -450,6 +450,41 @@ def test_a_folder_triton_would_read_as_a_version_beyond_int64_is_refused_and_tri
         assert own.live(), f"Triton died:\n{own.log_tail(10)}"
     finally:
         own.stop()
+
+
+WARMUP = (
+    'model_warmup [ { name: "w" batch_size: 1 inputs { key: "INPUT0" value { data_type: TYPE_FP32 dims: DIMS '
+    "zero_data: true } } } ]\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        (IDENTITY_CONFIG + WARMUP.replace("DIMS", "[ 1000000000000 ]"), "model_warmup 'w', input 'INPUT0'"),
+        (IDENTITY_CONFIG + WARMUP.replace("DIMS", "[ 6 ]").replace("batch_size: 1", "batch_size: 2147483647"),
+         "model_warmup 'w' has batch_size 2147483647"),
+        (IDENTITY_CONFIG.replace("max_batch_size: 0", "max_batch_size: 2147483647") + "sequence_batching { }\n",
+         "max_batch_size 2147483647 with sequence_batching"),
+    ],
+    ids=["warmup-data", "warmup-batch", "sequence-slots"],
+)  # fmt: skip
+def test_a_config_that_takes_triton_down_at_load_is_refused_and_triton_lives_on(
+    tmp_path: Path, model_name: str, config: str, why: str
+) -> None:
+    """Published, each of these took the real Triton 2.51 here down with every model on it (SIGSEGV filling warmup
+    data it could not allocate; std::bad_alloc making sequence slots), or kept it loading for good (a warmup
+    batch_size built request by request) while POLL waits: no other model loaded. The loader refuses them (exit
+    10) before publishing; a Triton of its own, serving a neighbour, which must still answer afterwards."""
+    layout = NodeLayout(repository=tmp_path / "models", staging=tmp_path / "staging", leases=tmp_path / "leases")
+    layout.staging.mkdir()
+    with own_triton_serving(tmp_path, "neighbour") as own:
+        source = write_model(tmp_path / "m", config=config)
+        conf = settings(layout, own, source, model_name, timeout_s=5.0)
+        expect_failure(InvalidModel, ExitCode.SOURCE_PERMANENT, why, layout, conf)
+        time.sleep(2.5)  # two of Triton's polls
+        assert own.live(), f"Triton died:\n{own.log_tail(10)}"
+        infer_identity(own, "neighbour")
 
 
 def test_a_model_whose_only_version_folder_triton_ignores_is_refused_before_publishing(

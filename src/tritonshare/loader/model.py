@@ -359,6 +359,7 @@ def prepare(top: Path, name: str, label: str, *, lenient: bool = False) -> Path:
         text = _read_text(config, where)
         named = with_name(text, name, where, lenient=lenient)
         check_version_policy(root, named, where)
+        check_load_data(named, where)
         with _editing(label, f"writing {config}"):
             _replace_text(config, named)
     with _editing(label, f"blocking bytecode in {root}"):
@@ -371,12 +372,7 @@ def check_version_policy(root: Path, text: str, where: str) -> None:
     version folders to load, chosen as Triton 2.51 chooses them (VersionsToLoad): Triton then fails the model at
     every poll ("at least one version must be available under the version policy") without listing it in its
     index, so a load would wait out its deadline and blame Triton's repository (seen here)."""
-    from google.protobuf import text_format  # imported when needed, as in check_schema
-
-    from tritonshare.loader import model_config_pb2
-
-    config: Any = model_config_pb2.ModelConfig()  # generated, untyped
-    text_format.Parse(text, config, allow_unknown_field=True)
+    config = _parse(text)
     policy, existing = config.version_policy, _triton_versions(root)
     kind = policy.WhichOneof("policy_choice")
     if kind == "specific":
@@ -392,6 +388,92 @@ def check_version_policy(root: Path, text: str, where: str) -> None:
             f"folders ({', '.join(map(str, sorted(existing)))}) — Triton would fail it at every poll without "
             "reporting it; add the version folder, or change the policy"
         )
+
+
+# Bytes per element Triton 2.51 allocates for synthetic data (GenerateWarmupData: GetDataTypeByteSize, and 4 for a
+# type of no fixed size, TYPE_STRING, whose elements it fills with 4-byte zero lengths).
+_ELEMENT_BYTES = {"TYPE_BOOL": 1, "TYPE_UINT8": 1, "TYPE_INT8": 1, "TYPE_UINT16": 2, "TYPE_INT16": 2, "TYPE_FP16": 2,
+                  "TYPE_BF16": 2, "TYPE_UINT32": 4, "TYPE_INT32": 4, "TYPE_FP32": 4, "TYPE_UINT64": 8, "TYPE_INT64": 8,
+                  "TYPE_FP64": 8}  # fmt: skip
+# Bounds on what a config makes Triton allocate at load: far above any real warmup sample or initial state, far
+# below what a node can give one allocation. Triton checks neither, and a failed allocation takes it down.
+LOAD_DATA_BYTES = 1 << 30
+WARMUP_REQUESTS = SEQUENCE_SLOTS = 1 << 16
+
+
+def check_load_data(text: str, where: str) -> None:
+    """Refuse a config (``text``, already checked) that makes Triton 2.51 allocate more than it can at load, which
+    takes down the server, and every tenant's model with it (seen here):
+
+    - the zero or random data of a ``model_warmup`` input, or a sequence state's zero ``initial_state``, beyond
+      :data:`LOAD_DATA_BYTES`: Triton fills the buffer without checking its allocation (SIGSEGV);
+    - a warmup ``batch_size`` beyond :data:`WARMUP_REQUESTS`: Triton builds that many requests, one by one, and the
+      load never ends; POLL waits for it, so no model of the node loads or unloads in the meantime;
+    - a ``max_batch_size`` beyond :data:`SEQUENCE_SLOTS` with the sequence batcher's direct strategy (its default):
+      Triton makes that many sequence slots per instance, and aborts when it cannot (std::bad_alloc)."""
+    config = _parse(text)
+    _check_sequence_slots(config, where)
+    _check_warmup(config, where)
+    for state in config.sequence_batching.state:
+        for initial in state.initial_state:
+            if initial.WhichOneof("state_data") == "zero_data":
+                _check_data_bytes(initial, f"sequence_batching state {state.input_name!r}, initial_state", where)
+
+
+def _check_sequence_slots(config: Any, where: str) -> None:
+    if not config.HasField("sequence_batching") or config.sequence_batching.WhichOneof("strategy_choice") == "oldest":
+        return
+    if config.max_batch_size > SEQUENCE_SLOTS:
+        raise InvalidModel(
+            f"{where}: max_batch_size {config.max_batch_size} with sequence_batching's direct strategy makes Triton "
+            f"allocate that many sequence slots per instance at load (no node can, beyond {SEQUENCE_SLOTS}), and "
+            "Triton aborts when it cannot, taking down every model of the node — give the number of sequences the "
+            "model really batches"
+        )
+
+
+def _check_warmup(config: Any, where: str) -> None:
+    for sample in config.model_warmup:
+        field = f"model_warmup {sample.name!r}"
+        if sample.batch_size > WARMUP_REQUESTS:
+            raise InvalidModel(
+                f"{where}: {field} has batch_size {sample.batch_size}, and Triton builds one request per unit of it "
+                f"before the model is ready (no node can, beyond {WARMUP_REQUESTS}), holding every other model's load "
+                "meanwhile — use the model's real batch size (at most its max_batch_size)"
+            )
+        for name, data in sorted(sample.inputs.items()):
+            if data.WhichOneof("input_data_type") in ("zero_data", "random_data"):
+                _check_data_bytes(data, f"{field}, input {name!r}", where)
+
+
+def _check_data_bytes(data: Any, field: str, where: str) -> None:
+    """Refuse ``data`` (a warmup input or an initial state, of zero or random data) whose dims are negative or make
+    more bytes than :data:`LOAD_DATA_BYTES`; a variable dimension (-1) Triton refuses itself."""
+    dims = list(data.dims)
+    if -1 in dims:
+        return
+    count = 1
+    for dim in dims:
+        count *= dim
+    data_type = data.DESCRIPTOR.fields_by_name["data_type"].enum_type.values_by_number.get(data.data_type)
+    size = count * _ELEMENT_BYTES.get(data_type.name if data_type else "", 4)
+    if min(dims, default=0) < 0 or size > LOAD_DATA_BYTES:
+        raise InvalidModel(
+            f"{where}: {field} asks Triton for {size} bytes of synthetic data (dims {dims}), and Triton allocates it "
+            f"without checking, at load, taking down every model of the node when it cannot (beyond "
+            f"{LOAD_DATA_BYTES} bytes, or a negative dimension, refused here) — give dims the model really takes"
+        )
+
+
+def _parse(text: str) -> Any:
+    """``text``, a config :func:`check_config` accepted, as a ModelConfig message (generated, untyped)."""
+    from google.protobuf import text_format  # imported when needed, as in check_schema
+
+    from tritonshare.loader import model_config_pb2
+
+    config = model_config_pb2.ModelConfig()
+    text_format.Parse(text, config, allow_unknown_field=True)
+    return config
 
 
 def _triton_versions(root: Path) -> set[int]:
