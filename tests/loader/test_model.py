@@ -520,42 +520,39 @@ def sequences(max_batch_size: int, strategy: str) -> str:
     return config + f"sequence_batching {{ {strategy} }}\n"
 
 
+R = pytest.param
+
+
 @pytest.mark.parametrize(
     ("config", "why"),
     [
-        (warmup("[ 1000000000000 ]"), r"model_warmup 'w', input 'INPUT0' asks Triton for 4000000000000 bytes"),
-        (warmup("[ 1000000000000 ]", "random_data: true"), "4000000000000 bytes"),
-        (warmup("[ 4611686018427387904 ]"), r"18446744073709551616 bytes"),  # 0 bytes in Triton's int64
-        (
-            warmup("[ 65536, 16385 ]", data_type="TYPE_UINT8"),
-            r"1073807360 bytes of synthetic data \(dims \[65536, 16385\]\)",
-        ),
-        (warmup("[ 268435457 ]", "random_data: true", data_type="TYPE_STRING"), "1073741828 bytes"),
-        (warmup("[ 2, -2 ]"), "a negative dimension"),
-        (initial_state("[ 1000000000000 ]"), r"sequence_batching state 'IS', initial_state asks Triton for"),
-        (warmup("[ 6 ]", batch_size=2**31 - 1), "batch_size 2147483647, and Triton builds one request per unit"),
-        (sequences(2**31 - 1, "direct { }"), "max_batch_size 2147483647 with sequence_batching's direct strategy"),
-        (sequences(65537, ""), "max_batch_size 65537 with sequence_batching's direct strategy"),
+        R(warmup("[ 1000000000000 ]"), "model_warmup 'w', input 'INPUT0' asks Triton for 4000000000000 bytes",
+          id="zero"),
+        R(warmup("[ 1000000000000 ]", "random_data: true"), "4000000000000 bytes", id="random"),
+        R(warmup("[ 4611686018427387904 ]"), "18446744073709551616 bytes", id="0-bytes-in-tritons-int64"),
+        R(warmup("[ 65536, 16385 ]", data_type="TYPE_UINT8"),
+          r"1073807360 bytes of synthetic data \(dims \[65536, 16385\]\)", id="just-over"),
+        R(warmup("[ 268435457 ]", "random_data: true", data_type="TYPE_STRING"), "1073741828 bytes", id="string"),
+        R(warmup("[ -2, -500000000000 ]"), r"4000000000000 bytes of synthetic data \(dims \[-2, -500000000000\]\)",
+          id="negatives"),
+        R(initial_state("[ 1000000000000 ]"), "sequence_batching state 'IS', initial_state asks Triton for",
+          id="initial-state"),
+        R(warmup("[ 6 ]", batch_size=2**31 - 1), "batch_size 2147483647, and Triton builds one request per unit",
+          id="batch-size"),
+        R(warmup("[ 6 ]").replace("batch_size: 1", "batch_size: 2 count: 32769"), "runs 32769 times a batch of 2",
+          id="count"),
+        R(sequences(2**31 - 1, "direct { }"), "max_batch_size 2147483647 with sequence_batching's direct strategy",
+          id="sequence-slots"),
+        R(sequences(65537, ""), "max_batch_size 65537 with sequence_batching's direct strategy", id="default-strategy"),
     ],
-    ids=[
-        "zero",
-        "random",
-        "wraps-to-0",
-        "just-over",
-        "string",
-        "negative",
-        "initial-state",
-        "batch-size",
-        "sequence-slots",
-        "default-strategy",
-    ],
-)
+)  # fmt: skip
 def test_a_config_making_triton_allocate_beyond_what_it_checks_at_load_is_refused(
     tmp_path: Path, config: str, why: str
 ) -> None:
     """Triton 2.51 allocates a warmup sample's zero or random data, and a sequence's zero initial state, at load
     and fills it without checking the allocation: the whole server dies (SIGSEGV) with every tenant's model; a
-    warmup batch_size is as many requests built one by one, a load that never ends. Seen with a real Triton."""
+    warmup batch_size is as many requests built one by one, a load that never ends, as is a huge count; direct
+    sequence batching makes max_batch_size slots, and Triton aborts (std::bad_alloc). Seen with a real Triton."""
     write_model(tmp_path / "m", config=config)
     with pytest.raises(InvalidModel, match=why) as info:
         prepare(tmp_path / "m", "mine", "s3://b/m")
@@ -566,32 +563,21 @@ def test_a_config_making_triton_allocate_beyond_what_it_checks_at_load_is_refuse
 @pytest.mark.parametrize(
     "config",
     [
-        warmup("[ 6 ]"),
-        warmup("[ 6 ]", batch_size=0),
-        warmup("[ 1073741824 ]", data_type="TYPE_BOOL"),  # the bound itself
-        warmup("[ -1 ]"),  # Triton refuses a variable dimension itself: the tenant's own model fails
-        warmup("[ ]", "random_data: true"),
-        warmup("[ 1000000000000 ]", 'input_data_file: "raw"'),  # read from a file: Triton checks its size
-        warmup("[ 6 ]", batch_size=65536),
-        initial_state("[ 1 ]"),
-        initial_state("[ 1000000000000 ]").replace("zero_data: true", 'data_file: "init"'),
-        sequences(65536, "direct { }"),
-        IDENTITY_CONFIG.replace("max_batch_size: 0", "max_batch_size: 2147483647"),  # no sequence batcher: READY
+        R(warmup("[ 6 ]"), id="small"),
+        R(warmup("[ 6 ]", batch_size=0), id="batch-0-skipped"),
+        R(warmup("[ 1073741824 ]", data_type="TYPE_BOOL"), id="at-the-bound"),
+        R(warmup("[ -1 ]"), id="variable"),  # Triton refuses a variable dimension itself: the model alone fails
+        R(warmup("[ 2, -2 ]"), id="negative"),  # a negative size: Triton allocates nothing, and fails the model alone
+        R(warmup("[ ]", "random_data: true"), id="scalar"),
+        R(warmup("[ 1000000000000 ]", 'input_data_file: "raw"'), id="from-a-file"),  # Triton checks the file's size
+        R(warmup("[ 6 ]", batch_size=65536), id="batch-at-the-bound"),
+        R(warmup("[ 6 ]").replace("batch_size: 1", "batch_size: 2 count: 32768"), id="count-at-the-bound"),
+        R(initial_state("[ 1 ]"), id="initial-state"),
+        R(initial_state("[ 1000000000000 ]").replace("zero_data: true", 'data_file: "init"'), id="state-from-a-file"),
+        R(sequences(65536, "direct { }"), id="sequence-slots-at-the-bound"),
+        R(IDENTITY_CONFIG.replace("max_batch_size: 0", "max_batch_size: 2147483647"), id="no-sequence-batcher"),
     ],
-    ids=[
-        "small",
-        "batch-0",
-        "at-the-bound",
-        "variable",
-        "scalar",
-        "from-a-file",
-        "batch-at-bound",
-        "state",
-        "file",
-        "sequence-slots",
-        "no-sequences",
-    ],
-)
+)  # fmt: skip
 def test_load_data_triton_can_allocate_is_let_through(tmp_path: Path, config: str) -> None:
     write_model(tmp_path / "m", config=config)
     assert prepare(tmp_path / "m", "mine", "s3://b/m") == tmp_path / "m"

@@ -464,18 +464,21 @@ WARMUP = (
         (IDENTITY_CONFIG + WARMUP.replace("DIMS", "[ 1000000000000 ]"), "model_warmup 'w', input 'INPUT0'"),
         (IDENTITY_CONFIG + WARMUP.replace("DIMS", "[ 6 ]").replace("batch_size: 1", "batch_size: 2147483647"),
          "model_warmup 'w' has batch_size 2147483647"),
+        (IDENTITY_CONFIG + WARMUP.replace("DIMS", "[ 6 ]").replace("batch_size: 1", "batch_size: 1 count: 4294967295"),
+         "runs 4294967295 times a batch of 1"),
         (IDENTITY_CONFIG.replace("max_batch_size: 0", "max_batch_size: 2147483647") + "sequence_batching { }\n",
          "max_batch_size 2147483647 with sequence_batching"),
     ],
-    ids=["warmup-data", "warmup-batch", "sequence-slots"],
+    ids=["warmup-data", "warmup-batch", "warmup-count", "sequence-slots"],
 )  # fmt: skip
 def test_a_config_that_takes_triton_down_at_load_is_refused_and_triton_lives_on(
     tmp_path: Path, model_name: str, config: str, why: str
 ) -> None:
     """Published, each of these took the real Triton 2.51 here down with every model on it (SIGSEGV filling warmup
     data it could not allocate; std::bad_alloc making sequence slots), or kept it loading for good (a warmup
-    batch_size built request by request) while POLL waits: no other model loaded. The loader refuses them (exit
-    10) before publishing; a Triton of its own, serving a neighbour, which must still answer afterwards."""
+    batch_size built request by request, past 3 GiB in seconds; a warmup count of 2**32 - 1) while POLL waits: no
+    other model loaded. The loader refuses them (exit 10) before publishing; a Triton of its own, serving a
+    neighbour, which must still answer afterwards."""
     layout = NodeLayout(repository=tmp_path / "models", staging=tmp_path / "staging", leases=tmp_path / "leases")
     layout.staging.mkdir()
     with own_triton_serving(tmp_path, "neighbour") as own:

@@ -407,8 +407,9 @@ def check_load_data(text: str, where: str) -> None:
 
     - the zero or random data of a ``model_warmup`` input, or a sequence state's zero ``initial_state``, beyond
       :data:`LOAD_DATA_BYTES`: Triton fills the buffer without checking its allocation (SIGSEGV);
-    - a warmup ``batch_size`` beyond :data:`WARMUP_REQUESTS`: Triton builds that many requests, one by one, and the
-      load never ends; POLL waits for it, so no model of the node loads or unloads in the meantime;
+    - a warmup ``batch_size`` beyond :data:`WARMUP_REQUESTS`: Triton builds that many requests, one by one (past
+      3 GiB in seconds), and the load never ends; POLL waits for it, so no model of the node loads or unloads in
+      the meantime; as with a ``count`` that runs the batch beyond :data:`WARMUP_REQUESTS` requests in all;
     - a ``max_batch_size`` beyond :data:`SEQUENCE_SLOTS` with the sequence batcher's direct strategy (its default):
       Triton makes that many sequence slots per instance, and aborts when it cannot (std::bad_alloc)."""
     config = _parse(text)
@@ -438,8 +439,14 @@ def _check_warmup(config: Any, where: str) -> None:
         if sample.batch_size > WARMUP_REQUESTS:
             raise InvalidModel(
                 f"{where}: {field} has batch_size {sample.batch_size}, and Triton builds one request per unit of it "
-                f"before the model is ready (no node can, beyond {WARMUP_REQUESTS}), holding every other model's load "
-                "meanwhile — use the model's real batch size (at most its max_batch_size)"
+                f"before the model is ready (beyond {WARMUP_REQUESTS}, refused here: gigabytes in seconds), holding "
+                "every other model's load meanwhile — use the model's real batch size (at most its max_batch_size)"
+            )
+        if sample.batch_size * sample.count > WARMUP_REQUESTS:
+            raise InvalidModel(
+                f"{where}: {field} runs {sample.count} times a batch of {sample.batch_size} before the model is ready "
+                f"(beyond {WARMUP_REQUESTS} requests, refused here), and Triton holds every other model's load until "
+                "it is done — warm up a few times"
             )
         for name, data in sorted(sample.inputs.items()):
             if data.WhichOneof("input_data_type") in ("zero_data", "random_data"):
@@ -447,8 +454,9 @@ def _check_warmup(config: Any, where: str) -> None:
 
 
 def _check_data_bytes(data: Any, field: str, where: str) -> None:
-    """Refuse ``data`` (a warmup input or an initial state, of zero or random data) whose dims are negative or make
-    more bytes than :data:`LOAD_DATA_BYTES`; a variable dimension (-1) Triton refuses itself."""
+    """Refuse ``data`` (a warmup input or an initial state, of zero or random data) whose dims make more bytes than
+    :data:`LOAD_DATA_BYTES`. A variable dimension (-1) Triton refuses itself; a negative size it allocates as none
+    and then fails the model alone ("input byte size mismatch")."""
     dims = list(data.dims)
     if -1 in dims:
         return
@@ -457,11 +465,11 @@ def _check_data_bytes(data: Any, field: str, where: str) -> None:
         count *= dim
     data_type = data.DESCRIPTOR.fields_by_name["data_type"].enum_type.values_by_number.get(data.data_type)
     size = count * _ELEMENT_BYTES.get(data_type.name if data_type else "", 4)
-    if min(dims, default=0) < 0 or size > LOAD_DATA_BYTES:
+    if size > LOAD_DATA_BYTES:
         raise InvalidModel(
             f"{where}: {field} asks Triton for {size} bytes of synthetic data (dims {dims}), and Triton allocates it "
             f"without checking, at load, taking down every model of the node when it cannot (beyond "
-            f"{LOAD_DATA_BYTES} bytes, or a negative dimension, refused here) — give dims the model really takes"
+            f"{LOAD_DATA_BYTES} bytes, refused here) — give dims the model really takes"
         )
 
 
