@@ -544,6 +544,8 @@ R = pytest.param
         R(sequences(2**31 - 1, "direct { }"), "max_batch_size 2147483647 with sequence_batching's direct strategy",
           id="sequence-slots"),
         R(sequences(65537, ""), "max_batch_size 65537 with sequence_batching's direct strategy", id="default-strategy"),
+        R(sequences(8, "oldest { max_candidate_sequences: 2147483647 }"),
+          "max_candidate_sequences 2147483647 with sequence_batching's oldest strategy", id="oldest-candidates"),
     ],
 )  # fmt: skip
 def test_a_config_making_triton_allocate_beyond_what_it_checks_at_load_is_refused(
@@ -551,8 +553,9 @@ def test_a_config_making_triton_allocate_beyond_what_it_checks_at_load_is_refuse
 ) -> None:
     """Triton 2.51 allocates a warmup sample's zero or random data, and a sequence's zero initial state, at load
     and fills it without checking the allocation: the whole server dies (SIGSEGV) with every tenant's model; a
-    warmup batch_size is as many requests built one by one, a load that never ends, as is a huge count; direct
-    sequence batching makes max_batch_size slots, and Triton aborts (std::bad_alloc). Seen with a real Triton."""
+    warmup batch_size is as many requests built one by one, a load that never ends, as is a huge count; sequence
+    batching makes its slots (max_batch_size, or max_candidate_sequences), and Triton aborts (std::bad_alloc) when it
+    cannot. Seen with a real Triton."""
     write_model(tmp_path / "m", config=config)
     with pytest.raises(InvalidModel, match=why) as info:
         prepare(tmp_path / "m", "mine", "s3://b/m")
@@ -575,6 +578,7 @@ def test_a_config_making_triton_allocate_beyond_what_it_checks_at_load_is_refuse
         R(initial_state("[ 1 ]"), id="initial-state"),
         R(initial_state("[ 1000000000000 ]").replace("zero_data: true", 'data_file: "init"'), id="state-from-a-file"),
         R(sequences(65536, "direct { }"), id="sequence-slots-at-the-bound"),
+        R(sequences(65536, "oldest { max_candidate_sequences: 65536 }"), id="oldest-candidates-at-the-bound"),
         R(IDENTITY_CONFIG.replace("max_batch_size: 0", "max_batch_size: 2147483647"), id="no-sequence-batcher"),
     ],
 )  # fmt: skip

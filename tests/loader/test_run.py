@@ -468,8 +468,10 @@ WARMUP = (
          "runs 4294967295 times a batch of 1"),
         (IDENTITY_CONFIG.replace("max_batch_size: 0", "max_batch_size: 2147483647") + "sequence_batching { }\n",
          "max_batch_size 2147483647 with sequence_batching"),
+        (IDENTITY_CONFIG.replace("max_batch_size: 0", "max_batch_size: 8")
+         + "sequence_batching { oldest { max_candidate_sequences: 2147483647 } }\n", "max_candidate_sequences"),
     ],
-    ids=["warmup-data", "warmup-batch", "warmup-count", "sequence-slots"],
+    ids=["warmup-data", "warmup-batch", "warmup-count", "sequence-slots", "oldest-candidates"],
 )  # fmt: skip
 def test_a_config_that_takes_triton_down_at_load_is_refused_and_triton_lives_on(
     tmp_path: Path, model_name: str, config: str, why: str

@@ -410,8 +410,9 @@ def check_load_data(text: str, where: str) -> None:
     - a warmup ``batch_size`` beyond :data:`WARMUP_REQUESTS`: Triton builds that many requests, one by one (past
       3 GiB in seconds), and the load never ends; POLL waits for it, so no model of the node loads or unloads in
       the meantime; as with a ``count`` that runs the batch beyond :data:`WARMUP_REQUESTS` requests in all;
-    - a ``max_batch_size`` beyond :data:`SEQUENCE_SLOTS` with the sequence batcher's direct strategy (its default):
-      Triton makes that many sequence slots per instance, and aborts when it cannot (std::bad_alloc)."""
+    - sequence slots beyond :data:`SEQUENCE_SLOTS` (``max_batch_size`` with the sequence batcher's direct strategy,
+      its default; ``max_candidate_sequences`` with the oldest): Triton makes that many per instance, and aborts
+      when it cannot (std::bad_alloc)."""
     config = _parse(text)
     _check_sequence_slots(config, where)
     _check_warmup(config, where)
@@ -422,14 +423,19 @@ def check_load_data(text: str, where: str) -> None:
 
 
 def _check_sequence_slots(config: Any, where: str) -> None:
-    if not config.HasField("sequence_batching") or config.sequence_batching.WhichOneof("strategy_choice") == "oldest":
+    if not config.HasField("sequence_batching"):
         return
-    if config.max_batch_size > SEQUENCE_SLOTS:
+    if config.sequence_batching.WhichOneof("strategy_choice") == "oldest":
+        slots, field = config.sequence_batching.oldest.max_candidate_sequences, "sequence_batching's oldest strategy"
+        said = f"max_candidate_sequences {slots} with {field}"
+    else:
+        slots, field = config.max_batch_size, "sequence_batching's direct strategy"
+        said = f"max_batch_size {slots} with {field}"
+    if slots > SEQUENCE_SLOTS:
         raise InvalidModel(
-            f"{where}: max_batch_size {config.max_batch_size} with sequence_batching's direct strategy makes Triton "
-            f"allocate that many sequence slots per instance at load (no node can, beyond {SEQUENCE_SLOTS}), and "
-            "Triton aborts when it cannot, taking down every model of the node — give the number of sequences the "
-            "model really batches"
+            f"{where}: {said} makes Triton allocate that many sequence slots per instance at load (no node can, "
+            f"beyond {SEQUENCE_SLOTS}), and Triton aborts when it cannot, taking down every model of the node — give "
+            "the number of sequences the model really batches"
         )
 
 
