@@ -492,6 +492,24 @@ def test_a_config_that_takes_triton_down_at_load_is_refused_and_triton_lives_on(
         infer_identity(own, "neighbour")
 
 
+def test_a_backend_library_in_the_model_is_refused_and_triton_lives_on(tmp_path: Path, model_name: str) -> None:
+    """Triton 2.51 loads a model's backend library from the model's own folder before its backend directory, into
+    its own process: a libtriton_onnxruntime.so shipped at the model's top whose constructor aborts took the real
+    Triton down with every model on it (and would at every restart). The loader refuses such a model (exit 10)
+    before publishing; a Triton of its own, serving a neighbour, which must still answer afterwards."""
+    layout = NodeLayout(repository=tmp_path / "models", staging=tmp_path / "staging", leases=tmp_path / "leases")
+    layout.staging.mkdir()
+    with own_triton_serving(tmp_path, "neighbour") as own:
+        source = write_model(tmp_path / "m", config=IDENTITY_CONFIG.replace('"python"', '"onnxruntime"'))
+        (source / "libtriton_onnxruntime.so").write_bytes(b"\x7fELF")
+        conf = settings(layout, own, source, model_name, timeout_s=5.0)
+        expect_failure(InvalidModel, ExitCode.SOURCE_PERMANENT, "libtriton_onnxruntime.so is where Triton looks",
+                       layout, conf)  # fmt: skip
+        time.sleep(2.5)  # two of Triton's polls
+        assert own.live(), f"Triton died:\n{own.log_tail(10)}"
+        infer_identity(own, "neighbour")
+
+
 def test_a_model_whose_only_version_folder_triton_ignores_is_refused_before_publishing(
     layout: NodeLayout, triton: TritonServer, model_name: str, tmp_path: Path
 ) -> None:
