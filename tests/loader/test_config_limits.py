@@ -95,3 +95,44 @@ def test_a_config_making_triton_allocate_beyond_what_it_checks_at_load_is_refuse
 def test_load_data_triton_can_allocate_is_let_through(tmp_path: Path, config: str) -> None:
     write_model(tmp_path / "m", config=config)
     assert prepare(tmp_path / "m", "mine", "s3://b/m") == tmp_path / "m"
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        R(warmup("[ 6 ]", f'input_data_file: "{"../" * 12}proc/self/fd/9"'),
+          "model_warmup 'w', input 'INPUT0': input_data_file '(../)+proc/self/fd/9' leads out of the model folder",
+          id="a-pipe-of-tritons"),
+        R(warmup("[ 6 ]", 'input_data_file: "/tmp/fifo"'), "input_data_file '/tmp/fifo' leads out", id="absolute"),
+        R(warmup("[ 6 ]", 'input_data_file: "../../neighbour/1/model.py"'), "leads out of the model folder",
+          id="another-model"),
+        R(initial_state("[ 1 ]").replace("zero_data: true", 'data_file: "../../x"'),
+          "sequence_batching state 'IS', initial_state: data_file '../../x' leads out .* model's initial_state/ folder",
+          id="initial-state"),
+    ],
+)  # fmt: skip
+def test_a_data_file_leading_out_of_the_model_is_refused(tmp_path: Path, config: str, why: str) -> None:
+    """Triton 2.51 reads a warmup input's data file (and an initial state's) at load, ../ followed, whole: its own
+    pipe /proc/self/fd/9 made the real Triton abort (std::length_error), a FIFO held POLL for every model."""
+    write_model(tmp_path / "m", config=config)
+    (tmp_path / "m" / "warmup").mkdir()
+    with pytest.raises(InvalidModel, match=why) as info:
+        prepare(tmp_path / "m", "mine", "s3://b/m")
+    assert info.value.exit_code == ExitCode.SOURCE_PERMANENT
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        R(warmup("[ 6 ]", 'input_data_file: "raw"'), id="in-warmup"),
+        R(warmup("[ 6 ]", 'input_data_file: "sub/../raw"'), id="down-and-back"),
+        R(warmup("[ 6 ]", 'input_data_file: "../1/model.py"'), id="elsewhere-in-the-model"),
+        R(warmup("[ 6 ]", 'input_data_file: "missing"'), id="missing"),  # Triton fails the model alone
+        R(initial_state("[ 1 ]").replace("zero_data: true", 'data_file: "init"'), id="initial-state"),
+    ],
+)  # fmt: skip
+def test_data_files_inside_the_model_are_let_through(tmp_path: Path, config: str) -> None:
+    write_model(tmp_path / "m", config=config)
+    (tmp_path / "m" / "warmup").mkdir()
+    (tmp_path / "m" / "warmup" / "raw").write_bytes(bytes(24))
+    assert prepare(tmp_path / "m", "mine", "s3://b/m") == tmp_path / "m"

@@ -9,6 +9,9 @@ bounds are far above what a real model asks and far below what fails.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from tritonshare.common.errors import InvalidModel
@@ -99,3 +102,33 @@ def _check_data_bytes(data: Any, field: str, where: str) -> None:
             f"without checking, at load, taking down every model of the node when it cannot (beyond "
             f"{LOAD_DATA_BYTES} bytes, refused here) — give dims the model really takes"
         )
+
+
+def check_data_files(root: Path, config: Any, where: str) -> None:
+    """Refuse a warmup ``input_data_file`` or an initial state's ``data_file`` that leads out of the model folder
+    ``root``. Triton 2.51 reads it at load, joined to the model's ``warmup/`` or ``initial_state/`` folder with any
+    ``../`` followed, whole and without a bound: one of its own pipes (``/proc/self/fd/9``) made it abort
+    (std::length_error), a FIFO held the load for good and, with it, POLL for every model of the node (seen here).
+    A file that is missing Triton reports itself, failing the model alone."""
+    real = os.path.realpath(root)
+    for field, folder, name in _data_files(config):
+        resolved = os.path.realpath(os.path.join(real, folder, name))
+        if not (resolved == real or resolved.startswith(real + os.sep)):
+            raise InvalidModel(
+                f"{where}: {field} {name!r} leads out of the model folder, and Triton would read whatever is there "
+                "at load (a pipe or a FIFO takes down, or holds, every model of the node) — put the file in the "
+                f"model's {folder}/ folder and name it from there"
+            )
+
+
+def _data_files(config: Any) -> Iterator[tuple[str, str, str]]:
+    """(field, the folder Triton reads it from, file name) for each data file the config names."""
+    for sample in config.model_warmup:
+        for name, data in sorted(sample.inputs.items()):
+            if data.WhichOneof("input_data_type") == "input_data_file":
+                yield f"model_warmup {sample.name!r}, input {name!r}: input_data_file", "warmup", data.input_data_file
+    for state in config.sequence_batching.state:
+        for initial in state.initial_state:
+            if initial.WhichOneof("state_data") == "data_file":
+                field = f"sequence_batching state {state.input_name!r}, initial_state: data_file"
+                yield field, "initial_state", initial.data_file

@@ -50,7 +50,7 @@ from typing import Any
 
 from tritonshare.common.errors import InvalidModel, UnsafeArchive
 from tritonshare.common.repository import RECORD_FILE, disk_error
-from tritonshare.loader.config_limits import check_load_data
+from tritonshare.loader.config_limits import check_data_files, check_load_data
 
 logger = logging.getLogger(__name__)
 
@@ -363,6 +363,7 @@ def prepare(top: Path, name: str, label: str, *, lenient: bool = False) -> Path:
         parsed = _parse(named)
         check_version_policy(root, parsed, where)
         check_load_data(parsed, where)
+        check_data_files(root, parsed, where)
         check_backend_libraries(root, parsed.runtime, label)
         with _editing(label, f"writing {config}"):
             _replace_text(config, named)
