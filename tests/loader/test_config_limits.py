@@ -9,6 +9,7 @@ import pytest
 
 from tests.support.models import IDENTITY_CONFIG, write_model
 from tritonshare.common.errors import ExitCode, InvalidModel
+from tritonshare.loader.config_limits import LOAD_DATA_BYTES
 from tritonshare.loader.model import prepare
 
 R = pytest.param
@@ -136,3 +137,17 @@ def test_data_files_inside_the_model_are_let_through(tmp_path: Path, config: str
     (tmp_path / "m" / "warmup").mkdir()
     (tmp_path / "m" / "warmup" / "raw").write_bytes(bytes(24))
     assert prepare(tmp_path / "m", "mine", "s3://b/m") == tmp_path / "m"
+
+
+def test_a_data_file_beyond_the_bound_is_refused(tmp_path: Path) -> None:
+    """Triton reads a warmup data file whole at load: a (sparse) one of 100 GiB made the real Triton abort
+    (std::bad_alloc); the bound, 1 GiB, is let through (sparse here too: no disk used)."""
+    write_model(tmp_path / "m", config=warmup("[ 6 ]", 'input_data_file: "raw"'))
+    (tmp_path / "m" / "warmup").mkdir()
+    with open(tmp_path / "m" / "warmup" / "raw", "wb") as raw:
+        raw.truncate(LOAD_DATA_BYTES)
+    assert prepare(tmp_path / "m", "mine", "s3://b/m") == tmp_path / "m"
+    with open(tmp_path / "m" / "warmup" / "raw", "ab") as raw:
+        raw.write(b"\0")
+    with pytest.raises(InvalidModel, match=r"input_data_file 'raw' has 1073741825 bytes, and Triton reads it whole"):
+        prepare(tmp_path / "m", "mine", "s3://b/m")

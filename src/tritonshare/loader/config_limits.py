@@ -108,7 +108,8 @@ def check_data_files(root: Path, config: Any, where: str) -> None:
     """Refuse a warmup ``input_data_file`` or an initial state's ``data_file`` that leads out of the model folder
     ``root``. Triton 2.51 reads it at load, joined to the model's ``warmup/`` or ``initial_state/`` folder with any
     ``../`` followed, whole and without a bound: one of its own pipes (``/proc/self/fd/9``) made it abort
-    (std::length_error), a FIFO held the load for good and, with it, POLL for every model of the node (seen here).
+    (std::length_error), a FIFO held the load for good and, with it, POLL for every model of the node, and a file
+    inside of 100 GiB made it abort (std::bad_alloc) (seen here): one beyond :data:`LOAD_DATA_BYTES` is refused too.
     A file that is missing Triton reports itself, failing the model alone."""
     real = os.path.realpath(root)
     for field, folder, name in _data_files(config):
@@ -118,6 +119,13 @@ def check_data_files(root: Path, config: Any, where: str) -> None:
                 f"{where}: {field} {name!r} leads out of the model folder, and Triton would read whatever is there "
                 "at load (a pipe or a FIFO takes down, or holds, every model of the node) — put the file in the "
                 f"model's {folder}/ folder and name it from there"
+            )
+        size = os.stat(resolved).st_size if os.path.isfile(resolved) else 0
+        if size > LOAD_DATA_BYTES:
+            raise InvalidModel(
+                f"{where}: {field} {name!r} has {size} bytes, and Triton reads it whole into memory at load, taking "
+                f"down every model of the node when it cannot (beyond {LOAD_DATA_BYTES} bytes, refused here) — warm "
+                "up with a sample of the size the model takes"
             )
 
 
