@@ -29,6 +29,11 @@ def initial_state(dims: str) -> str:
     )
 
 
+def labels(filename: str) -> str:
+    output = 'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]'
+    return IDENTITY_CONFIG.replace(output, output.replace(" } ]", f' label_filename: "{filename}" }} ]'))
+
+
 def sequences(max_batch_size: int, strategy: str) -> str:
     config = IDENTITY_CONFIG.replace("max_batch_size: 0", f"max_batch_size: {max_batch_size}")
     return config + f"sequence_batching {{ {strategy} }}\n"
@@ -108,8 +113,11 @@ def test_load_data_triton_can_allocate_is_let_through(tmp_path: Path, config: st
         R(warmup("[ 6 ]", 'input_data_file: "../../neighbour/1/model.py"'), "leads out of the model folder",
           id="another-model"),
         R(initial_state("[ 1 ]").replace("zero_data: true", 'data_file: "../../x"'),
-          "sequence_batching state 'IS', initial_state: data_file '../../x' leads out .* model's initial_state/ folder",
+          "initial_state: data_file '../../x' leads out .* model folder under initial_state/",
           id="initial-state"),
+        R(labels(f"{'../' * 12}proc/self/fd/9"),
+          r"output 'OUTPUT0': label_filename '(\.\./)+proc/self/fd/9' leads out .* in the model folder and name",
+          id="labels"),
     ],
 )  # fmt: skip
 def test_a_data_file_leading_out_of_the_model_is_refused(tmp_path: Path, config: str, why: str) -> None:
@@ -130,6 +138,7 @@ def test_a_data_file_leading_out_of_the_model_is_refused(tmp_path: Path, config:
         R(warmup("[ 6 ]", 'input_data_file: "../1/model.py"'), id="elsewhere-in-the-model"),
         R(warmup("[ 6 ]", 'input_data_file: "missing"'), id="missing"),  # Triton fails the model alone
         R(initial_state("[ 1 ]").replace("zero_data: true", 'data_file: "init"'), id="initial-state"),
+        R(labels("warmup/raw"), id="labels"),
     ],
 )  # fmt: skip
 def test_data_files_inside_the_model_are_let_through(tmp_path: Path, config: str) -> None:
@@ -139,15 +148,22 @@ def test_data_files_inside_the_model_are_let_through(tmp_path: Path, config: str
     assert prepare(tmp_path / "m", "mine", "s3://b/m") == tmp_path / "m"
 
 
-def test_a_data_file_beyond_the_bound_is_refused(tmp_path: Path) -> None:
-    """Triton reads a warmup data file whole at load: a (sparse) one of 100 GiB made the real Triton abort
-    (std::bad_alloc); the bound, 1 GiB, is let through (sparse here too: no disk used)."""
-    write_model(tmp_path / "m", config=warmup("[ 6 ]", 'input_data_file: "raw"'))
+@pytest.mark.parametrize(
+    ("config", "file", "field"),
+    [
+        R(warmup("[ 6 ]", 'input_data_file: "raw"'), "warmup/raw", "input_data_file 'raw'", id="warmup"),
+        R(labels("labels"), "labels", "label_filename 'labels'", id="labels"),
+    ],
+)  # fmt: skip
+def test_a_data_file_beyond_the_bound_is_refused(tmp_path: Path, config: str, file: str, field: str) -> None:
+    """Triton reads a warmup data file, or an output's labels, whole at load: a (sparse) one of 100 GiB made the real
+    Triton abort (std::bad_alloc); the bound, 1 GiB, is let through (sparse here too: no disk used)."""
+    write_model(tmp_path / "m", config=config)
     (tmp_path / "m" / "warmup").mkdir()
-    with open(tmp_path / "m" / "warmup" / "raw", "wb") as raw:
-        raw.truncate(LOAD_DATA_BYTES)
+    with open(tmp_path / "m" / file, "wb") as data:
+        data.truncate(LOAD_DATA_BYTES)
     assert prepare(tmp_path / "m", "mine", "s3://b/m") == tmp_path / "m"
-    with open(tmp_path / "m" / "warmup" / "raw", "ab") as raw:
-        raw.write(b"\0")
-    with pytest.raises(InvalidModel, match=r"input_data_file 'raw' has 1073741825 bytes, and Triton reads it whole"):
+    with open(tmp_path / "m" / file, "ab") as data:
+        data.write(b"\0")
+    with pytest.raises(InvalidModel, match=f"{field} has 1073741825 bytes, and Triton reads it whole"):
         prepare(tmp_path / "m", "mine", "s3://b/m")

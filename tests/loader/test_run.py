@@ -473,8 +473,12 @@ WARMUP = (
         (IDENTITY_CONFIG + WARMUP.replace("DIMS", "[ 6 ]").replace("zero_data: true",
                                                                   f'input_data_file: "{"../" * 12}proc/self/fd/9"'),
          "leads out of the model folder"),
+        (IDENTITY_CONFIG.replace("dims: [ -1 ] } ]\ninstance",
+                                 f'dims: [ -1 ] label_filename: "{"../" * 12}proc/self/fd/9" }} ]\ninstance'),
+         "label_filename .* leads out of the model folder"),
     ],
-    ids=["warmup-data", "warmup-batch", "warmup-count", "sequence-slots", "oldest-candidates", "warmup-file"],
+    ids=["warmup-data", "warmup-batch", "warmup-count", "sequence-slots", "oldest-candidates", "warmup-file",
+         "labels"],
 )  # fmt: skip
 def test_a_config_that_takes_triton_down_at_load_is_refused_and_triton_lives_on(
     tmp_path: Path, model_name: str, config: str, why: str
@@ -482,9 +486,9 @@ def test_a_config_that_takes_triton_down_at_load_is_refused_and_triton_lives_on(
     """Published, each of these took the real Triton 2.51 here down with every model on it (SIGSEGV filling warmup
     data it could not allocate; std::bad_alloc making sequence slots), or kept it loading for good (a warmup
     batch_size built request by request, past 3 GiB in seconds; a warmup count of 2**32 - 1) while POLL waits: no
-    other model loaded. A warmup data file read from Triton's own pipe (/proc/self/fd/9) aborted it too. The loader
-    refuses them (exit 10) before publishing; a Triton of its own, serving a neighbour, which must still answer
-    afterwards."""
+    other model loaded. A warmup data file or an output's labels read from Triton's own pipe (/proc/self/fd/9)
+    aborted it too. The loader refuses them (exit 10) before publishing; a Triton of its own, serving a neighbour,
+    which must still answer afterwards."""
     layout = NodeLayout(repository=tmp_path / "models", staging=tmp_path / "staging", leases=tmp_path / "leases")
     layout.staging.mkdir()
     with own_triton_serving(tmp_path, "neighbour") as own:

@@ -105,12 +105,13 @@ def _check_data_bytes(data: Any, field: str, where: str) -> None:
 
 
 def check_data_files(root: Path, config: Any, where: str) -> None:
-    """Refuse a warmup ``input_data_file`` or an initial state's ``data_file`` that leads out of the model folder
-    ``root``. Triton 2.51 reads it at load, joined to the model's ``warmup/`` or ``initial_state/`` folder with any
-    ``../`` followed, whole and without a bound: one of its own pipes (``/proc/self/fd/9``) made it abort
-    (std::length_error), a FIFO held the load for good and, with it, POLL for every model of the node, and a file
-    inside of 100 GiB made it abort (std::bad_alloc) (seen here): one beyond :data:`LOAD_DATA_BYTES` is refused too.
-    A file that is missing Triton reports itself, failing the model alone."""
+    """Refuse an output's ``label_filename``, a warmup ``input_data_file`` or an initial state's ``data_file`` that
+    leads out of the model folder ``root``. Triton 2.51 reads it at load, joined to the model folder (its
+    ``warmup/`` or ``initial_state/`` folder for data) with any ``../`` followed, whole and without a bound: one of
+    its own pipes (``/proc/self/fd/9``) made it abort (std::length_error), a FIFO held the load for good and, with
+    it, POLL for every model of the node, and a file inside of 100 GiB made it abort (std::bad_alloc) (seen here):
+    one beyond :data:`LOAD_DATA_BYTES` is refused too. A file that is missing Triton reports itself, failing the
+    model alone."""
     real = os.path.realpath(root)
     for field, folder, name in _data_files(config):
         resolved = os.path.realpath(os.path.join(real, folder, name))
@@ -118,7 +119,7 @@ def check_data_files(root: Path, config: Any, where: str) -> None:
             raise InvalidModel(
                 f"{where}: {field} {name!r} leads out of the model folder, and Triton would read whatever is there "
                 "at load (a pipe or a FIFO takes down, or holds, every model of the node) — put the file in the "
-                f"model's {folder}/ folder and name it from there"
+                f"model folder{f' under {folder}/' if folder else ''} and name it from there"
             )
         size = os.stat(resolved).st_size if os.path.isfile(resolved) else 0
         if size > LOAD_DATA_BYTES:
@@ -130,7 +131,10 @@ def check_data_files(root: Path, config: Any, where: str) -> None:
 
 
 def _data_files(config: Any) -> Iterator[tuple[str, str, str]]:
-    """(field, the folder Triton reads it from, file name) for each data file the config names."""
+    """(field, the folder of the model Triton reads it from, file name) for each data file the config names."""
+    for output in config.output:
+        if output.label_filename:
+            yield f"output {output.name!r}: label_filename", "", output.label_filename
     for sample in config.model_warmup:
         for name, data in sorted(sample.inputs.items()):
             if data.WhichOneof("input_data_type") == "input_data_file":
