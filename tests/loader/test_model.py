@@ -499,3 +499,46 @@ def test_folders_triton_reads_without_aborting_are_let_through(tmp_path: Path, f
     write_model(tmp_path / "m")
     (tmp_path / "m" / folder).mkdir()
     assert prepare(tmp_path / "m", "mine", "s3://b/m") == tmp_path / "m"
+
+
+R = pytest.param
+
+
+@pytest.mark.parametrize(
+    ("config", "library"),
+    [
+        R(IDENTITY_CONFIG.replace('"python"', '"onnxruntime"'), "libtriton_onnxruntime.so", id="model-folder"),
+        R(IDENTITY_CONFIG, "1/libtriton_python.so", id="version-folder"),  # before Triton's own Python backend
+        R(IDENTITY_CONFIG.replace('"python"', '"custom"\nruntime: "custom.so"'), "1/custom.so", id="runtime"),
+        R(None, "libtriton_tensorrt.so", id="no-config"),
+    ],
+)  # fmt: skip
+def test_a_backend_library_in_the_model_is_refused(tmp_path: Path, config: str | None, library: str) -> None:
+    """Triton looks for the model's backend library in the version folder and the model folder first, and loads
+    it into its own process: one tenant's native code in the server all share (an aborting one took the real
+    Triton down)."""
+    write_model(tmp_path / "m", config=config or IDENTITY_CONFIG)
+    if config is None:
+        (tmp_path / "m" / "config.pbtxt").unlink()
+    (tmp_path / "m" / library).write_bytes(b"\x7fELF")
+    with pytest.raises(InvalidModel) as info:
+        prepare(tmp_path / "m", "mine", "s3://b/m")
+    assert str(info.value) == (
+        f"s3://b/m: {library} is where Triton looks for the model's backend library, and Triton would load it into "
+        "its own process, which every model of the node shares — remove it and use a backend installed with Triton"
+    )
+
+
+@pytest.mark.parametrize(
+    ("config", "library"),
+    [
+        R(IDENTITY_CONFIG, "1/lib/libtriton_python.so", id="deeper"),  # Triton does not look there
+        R(IDENTITY_CONFIG, "1/libcustom_ops.so", id="another-library"),  # the model's code may load it, in its stub
+        R(IDENTITY_CONFIG.replace('"python"', '"python"\nruntime: "model.py"'), "1/model.py", id="python-runtime"),
+    ],
+)  # fmt: skip
+def test_libraries_triton_does_not_load_as_a_backend_are_let_through(tmp_path: Path, config: str, library: str) -> None:
+    write_model(tmp_path / "m", config=config)
+    (tmp_path / "m" / library).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "m" / library).write_bytes(b"\x7fELF")
+    assert prepare(tmp_path / "m", "mine", "s3://b/m") == tmp_path / "m"

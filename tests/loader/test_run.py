@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from tests.support.install import model_ready, wait_model_ready
-from tests.support.models import BROKEN_MODEL, IDENTITY_MODEL, write_model
+from tests.support.install import model_ready, own_triton_serving, wait_model_ready
+from tests.support.models import BROKEN_MODEL, IDENTITY_CONFIG, IDENTITY_MODEL, write_model
 from tests.support.ports import free_port
 from tests.support.storage import make_tar
 from tests.support.triton import TritonServer
@@ -450,6 +450,72 @@ def test_a_folder_triton_would_read_as_a_version_beyond_int64_is_refused_and_tri
         assert own.live(), f"Triton died:\n{own.log_tail(10)}"
     finally:
         own.stop()
+
+
+WARMUP = (
+    'model_warmup [ { name: "w" batch_size: 1 inputs { key: "INPUT0" value { data_type: TYPE_FP32 dims: DIMS '
+    "zero_data: true } } } ]\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        (IDENTITY_CONFIG + WARMUP.replace("DIMS", "[ 1000000000000 ]"), "model_warmup 'w', input 'INPUT0'"),
+        (IDENTITY_CONFIG + WARMUP.replace("DIMS", "[ 6 ]").replace("batch_size: 1", "batch_size: 2147483647"),
+         "model_warmup 'w' has batch_size 2147483647"),
+        (IDENTITY_CONFIG + WARMUP.replace("DIMS", "[ 6 ]").replace("batch_size: 1", "batch_size: 1 count: 4294967295"),
+         "runs 4294967295 times a batch of 1"),
+        (IDENTITY_CONFIG.replace("max_batch_size: 0", "max_batch_size: 2147483647") + "sequence_batching { }\n",
+         "max_batch_size 2147483647 with sequence_batching"),
+        (IDENTITY_CONFIG.replace("max_batch_size: 0", "max_batch_size: 8")
+         + "sequence_batching { oldest { max_candidate_sequences: 2147483647 } }\n", "max_candidate_sequences"),
+        (IDENTITY_CONFIG + WARMUP.replace("DIMS", "[ 6 ]").replace("zero_data: true",
+                                                                  f'input_data_file: "{"../" * 12}proc/self/fd/9"'),
+         "leads out of the model folder"),
+        (IDENTITY_CONFIG.replace("dims: [ -1 ] } ]\ninstance",
+                                 f'dims: [ -1 ] label_filename: "{"../" * 12}proc/self/fd/9" }} ]\ninstance'),
+         "label_filename .* leads out of the model folder"),
+    ],
+    ids=["warmup-data", "warmup-batch", "warmup-count", "sequence-slots", "oldest-candidates", "warmup-file",
+         "labels"],
+)  # fmt: skip
+def test_a_config_that_takes_triton_down_at_load_is_refused_and_triton_lives_on(
+    tmp_path: Path, model_name: str, config: str, why: str
+) -> None:
+    """Published, each of these took the real Triton 2.51 here down with every model on it (SIGSEGV filling warmup
+    data it could not allocate; std::bad_alloc making sequence slots), or kept it loading for good (a warmup
+    batch_size built request by request, past 3 GiB in seconds; a warmup count of 2**32 - 1) while POLL waits: no
+    other model loaded. A warmup data file or an output's labels read from Triton's own pipe (/proc/self/fd/9)
+    aborted it too. The loader refuses them (exit 10) before publishing; a Triton of its own, serving a neighbour,
+    which must still answer afterwards."""
+    layout = NodeLayout(repository=tmp_path / "models", staging=tmp_path / "staging", leases=tmp_path / "leases")
+    layout.staging.mkdir()
+    with own_triton_serving(tmp_path, "neighbour") as own:
+        source = write_model(tmp_path / "m", config=config)
+        conf = settings(layout, own, source, model_name, timeout_s=5.0)
+        expect_failure(InvalidModel, ExitCode.SOURCE_PERMANENT, why, layout, conf)
+        time.sleep(2.5)  # two of Triton's polls
+        assert own.live(), f"Triton died:\n{own.log_tail(10)}"
+        infer_identity(own, "neighbour")
+
+
+def test_a_backend_library_in_the_model_is_refused_and_triton_lives_on(tmp_path: Path, model_name: str) -> None:
+    """Triton 2.51 loads a model's backend library from the model's own folder before its backend directory, into
+    its own process: a libtriton_onnxruntime.so shipped at the model's top whose constructor aborts took the real
+    Triton down with every model on it (and would at every restart). The loader refuses such a model (exit 10)
+    before publishing; a Triton of its own, serving a neighbour, which must still answer afterwards."""
+    layout = NodeLayout(repository=tmp_path / "models", staging=tmp_path / "staging", leases=tmp_path / "leases")
+    layout.staging.mkdir()
+    with own_triton_serving(tmp_path, "neighbour") as own:
+        source = write_model(tmp_path / "m", config=IDENTITY_CONFIG.replace('"python"', '"onnxruntime"'))
+        (source / "libtriton_onnxruntime.so").write_bytes(b"\x7fELF")
+        conf = settings(layout, own, source, model_name, timeout_s=5.0)
+        expect_failure(InvalidModel, ExitCode.SOURCE_PERMANENT, "libtriton_onnxruntime.so is where Triton looks",
+                       layout, conf)  # fmt: skip
+        time.sleep(2.5)  # two of Triton's polls
+        assert own.live(), f"Triton died:\n{own.log_tail(10)}"
+        infer_identity(own, "neighbour")
 
 
 def test_a_model_whose_only_version_folder_triton_ignores_is_refused_before_publishing(

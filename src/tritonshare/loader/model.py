@@ -50,6 +50,7 @@ from typing import Any
 
 from tritonshare.common.errors import InvalidModel, UnsafeArchive
 from tritonshare.common.repository import RECORD_FILE, disk_error
+from tritonshare.loader.config_limits import check_data_files, check_load_data
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ _VERSION = re.compile(r"0|[1-9][0-9]*")
 # character. A number beyond int64 throws std::out_of_range, which Triton does not catch: the server aborts.
 _STOLL = re.compile(r"[ \t\n\v\f\r]*(?P<number>[+-]?[0-9]+)")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_BACKEND_LIBRARY = re.compile(r"libtriton_.*\.so")  # Triton's name for a backend's library: libtriton_<backend>.so
 _IGNORED = re.compile(r"\..*|__MACOSX")  # hidden files and macOS archive debris never make a wrapper
 
 # The tokens of protobuf's text format as the C++ tokenizer reads them (whitespace is ASCII only there).
@@ -358,25 +360,25 @@ def prepare(top: Path, name: str, label: str, *, lenient: bool = False) -> Path:
         where = f"{label}: {config.relative_to(top).as_posix()}"
         text = _read_text(config, where)
         named = with_name(text, name, where, lenient=lenient)
-        check_version_policy(root, named, where)
+        parsed = _parse(named)
+        check_version_policy(root, parsed, where)
+        check_load_data(parsed, where)
+        check_data_files(root, parsed, where)
+        check_backend_libraries(root, parsed.runtime, label)
         with _editing(label, f"writing {config}"):
             _replace_text(config, named)
+    else:
+        check_backend_libraries(root, "", label)
     with _editing(label, f"blocking bytecode in {root}"):
         block_bytecode(root)
     return root
 
 
-def check_version_policy(root: Path, text: str, where: str) -> None:
-    """Refuse a config (``text``, already checked) whose ``version_policy`` leaves Triton none of the model's
-    version folders to load, chosen as Triton 2.51 chooses them (VersionsToLoad): Triton then fails the model at
+def check_version_policy(root: Path, config: Any, where: str) -> None:
+    """Refuse a config (``config``, as :func:`_parse` reads it) whose ``version_policy`` leaves Triton none of the
+    model's version folders to load, chosen as Triton 2.51 chooses them (VersionsToLoad): Triton then fails the model at
     every poll ("at least one version must be available under the version policy") without listing it in its
     index, so a load would wait out its deadline and blame Triton's repository (seen here)."""
-    from google.protobuf import text_format  # imported when needed, as in check_schema
-
-    from tritonshare.loader import model_config_pb2
-
-    config: Any = model_config_pb2.ModelConfig()  # generated, untyped
-    text_format.Parse(text, config, allow_unknown_field=True)
     policy, existing = config.version_policy, _triton_versions(root)
     kind = policy.WhichOneof("policy_choice")
     if kind == "specific":
@@ -392,6 +394,36 @@ def check_version_policy(root: Path, text: str, where: str) -> None:
             f"folders ({', '.join(map(str, sorted(existing)))}) — Triton would fail it at every poll without "
             "reporting it; add the version folder, or change the policy"
         )
+
+
+def _parse(text: str) -> Any:
+    """``text``, a config :func:`check_config` accepted, as a ModelConfig message (generated, untyped)."""
+    from google.protobuf import text_format  # imported when needed, as in check_schema
+
+    from tritonshare.loader import model_config_pb2
+
+    config = model_config_pb2.ModelConfig()
+    text_format.Parse(text, config, allow_unknown_field=True)
+    return config
+
+
+def check_backend_libraries(root: Path, runtime: str, label: str) -> None:
+    """Refuse a shared library in the model that Triton 2.51 would load as the model's backend: it looks for the
+    backend library (the config's ``runtime``, by default ``libtriton_<backend>.so``) in the model's version folder
+    and in the model folder before its backend directory, and loads it into its own process — native code of one
+    tenant in the server every tenant shares (a library that aborts as it loads took Triton down, seen here). A
+    ``runtime`` ending in ``.py`` is Python, run by the Python backend's own process as a model.py is."""
+    for folder in (root, *version_dirs(root)):
+        found = sorted(p.name for p in folder.iterdir() if _BACKEND_LIBRARY.fullmatch(p.name))
+        if runtime and not runtime.endswith(".py") and os.path.lexists(folder / runtime):
+            found.append(runtime)
+        if found:
+            name = (folder / found[0]).relative_to(root).as_posix()
+            raise InvalidModel(
+                f"{label}: {name} is where Triton looks for the model's backend library, and Triton would load it "
+                "into its own process, which every model of the node shares — remove it and use a backend "
+                "installed with Triton"
+            )
 
 
 def _triton_versions(root: Path) -> set[int]:
