@@ -30,10 +30,18 @@ port() { "$root/.venv/bin/python" -c 'import socket;s=socket.socket();s.bind(("1
 th=$(port) tg=$(port) tm=$(port) nh=$(port) ng=$(port)
 pids=()
 cleanup() {
+  local status=$?
   [ -f "$run/nginx/nginx.pid" ] && kill -QUIT "$(cat "$run/nginx/nginx.pid")" 2>/dev/null || true
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   [ -n "${triton:-}" ] && kill -- "-$triton" 2>/dev/null || true
-  sleep 0.5; rm -rf "$run"
+  sleep 0.5
+  # Python backend stubs ignore SIGTERM and outlive a Triton that died: the group goes by SIGKILL
+  [ -n "${triton:-}" ] && kill -9 -- "-$triton" 2>/dev/null || true
+  if [ "$status" != 0 ]; then  # a failed run keeps Triton's and the proxies' logs, to tell why
+    mkdir -p "$run.logs" && cp "$run"/*.log "$run.logs/" 2>/dev/null || true
+    echo "proxy_bench.sh: logs kept in $run.logs" >&2
+  fi
+  rm -rf "$run"
 }
 trap cleanup EXIT
 triton=$(bash "$yard/triton-up.sh" "$root/.venv-triton" "$run/models" "$th" "$tg" "$tm" "$run/triton.log")
