@@ -511,6 +511,7 @@ R = pytest.param
         R(IDENTITY_CONFIG, "1/libtriton_python.so", id="version-folder"),  # before Triton's own Python backend
         R(IDENTITY_CONFIG.replace('"python"', '"custom"\nruntime: "custom.so"'), "1/custom.so", id="runtime"),
         R(None, "libtriton_tensorrt.so", id="no-config"),
+        R(IDENTITY_CONFIG, "2abc/libtriton_python.so", id="read-as-a-version"),  # std::stoll: version 2
     ],
 )  # fmt: skip
 def test_a_backend_library_in_the_model_is_refused(tmp_path: Path, config: str | None, library: str) -> None:
@@ -520,6 +521,7 @@ def test_a_backend_library_in_the_model_is_refused(tmp_path: Path, config: str |
     write_model(tmp_path / "m", config=config or IDENTITY_CONFIG)
     if config is None:
         (tmp_path / "m" / "config.pbtxt").unlink()
+    (tmp_path / "m" / library).parent.mkdir(exist_ok=True)
     (tmp_path / "m" / library).write_bytes(b"\x7fELF")
     with pytest.raises(InvalidModel) as info:
         prepare(tmp_path / "m", "mine", "s3://b/m")

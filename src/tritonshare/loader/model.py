@@ -413,7 +413,9 @@ def check_backend_libraries(root: Path, runtime: str, label: str) -> None:
     and in the model folder before its backend directory, and loads it into its own process — native code of one
     tenant in the server every tenant shares (a library that aborts as it loads took Triton down, seen here). A
     ``runtime`` ending in ``.py`` is Python, run by the Python backend's own process as a model.py is."""
-    for folder in (root, *version_dirs(root)):
+    # Every folder Triton reads as a version (std::stoll: `1abc` is version 1), not only the plain numbers it lists.
+    versions = sorted(p for p in root.iterdir() if p.is_dir() and _triton_number(p.name) is not None)
+    for folder in (root, *versions):
         found = sorted(p.name for p in folder.iterdir() if _BACKEND_LIBRARY.fullmatch(p.name))
         if runtime and not runtime.endswith(".py") and os.path.lexists(folder / runtime):
             found.append(runtime)
