@@ -22,7 +22,7 @@ message is judged, for a field that names shared memory), or its stream ends, wh
 nothing. A stream that does not fit is refused RESOURCE_EXHAUSTED (reason :data:`REASON`) and reset at Triton.
 
 The budget counts JSON bytes (a compressed body: the larger of its compressed bytes held and its JSON inflated so
-far). Each is held once (:class:`~tritonshare.proxy.inspect.InferBodyCheck`), so the proxy's memory grows by about
+far). Each is held once (:class:`~tritonshare.proxy.request_body.InferBodyCheck`), so the proxy's memory grows by about
 the budget, plus, while one request's JSON is checked (one at a time: the check runs on the event loop), a copy of
 that JSON (at most ``--max-json-bytes``).
 """

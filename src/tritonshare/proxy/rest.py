@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from tritonshare.common.errors import cannot_listen
 from tritonshare.proxy import admission, auth, plaintext
 from tritonshare.proxy.http1 import RequestHead, error_response, parse_request_head, upstream_head
-from tritonshare.proxy.inspect import body_too_large
 from tritonshare.proxy.metrics import RouteMeter
 from tritonshare.proxy.overload import Closed, TurnedAway, has_room, over_cap_message
 from tritonshare.proxy.policy import RestDecision, Verdict, judge_rest
 from tritonshare.proxy.readiness import TritonProbe
+from tritonshare.proxy.request_body import body_too_large
 from tritonshare.proxy.rest_connection import ClientConnection
 from tritonshare.proxy.rest_requests import WHOLE_BODY_BYTES
 from tritonshare.proxy.rest_upstream import PROTOCOL, UpstreamPool

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tritonshare.proxy import admission
-    from tritonshare.proxy.inspect import RequestBody
+    from tritonshare.proxy.request_body import RequestBody
     from tritonshare.proxy.rest import Judged
 
 

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING
 
 from tritonshare.proxy import admission, auth, held
 from tritonshare.proxy.http1 import CONTINUE, HttpError, error_response
-from tritonshare.proxy.inspect import BodyRefused, InferBodyCheck, RequestBody, check_plain_body, inflation_for
+from tritonshare.proxy.inspect import BodyRefused
 from tritonshare.proxy.policy import REST_SERVER_ROUTES
 from tritonshare.proxy.readiness import UNREACHABLE, TritonProbe
+from tritonshare.proxy.request_body import InferBodyCheck, RequestBody, check_plain_body, inflation_for
 from tritonshare.proxy.rest_exchange import Exchange
 from tritonshare.proxy.rest_upstream import PROTOCOL, Upstream
 
