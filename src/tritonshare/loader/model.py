@@ -51,6 +51,7 @@ from typing import Any
 from tritonshare.common.errors import InvalidModel, UnsafeArchive
 from tritonshare.common.repository import RECORD_FILE, disk_error
 from tritonshare.loader.config_limits import check_data_files, check_load_data
+from tritonshare.loader.config_rules import check_triton_rules
 
 logger = logging.getLogger(__name__)
 
@@ -362,6 +363,7 @@ def prepare(top: Path, name: str, label: str, *, lenient: bool = False) -> Path:
         named = with_name(text, name, where, lenient=lenient)
         parsed = _parse(named)
         check_version_policy(root, parsed, where)
+        check_triton_rules(parsed, where)
         check_load_data(parsed, where)
         check_data_files(root, parsed, where)
         check_backend_libraries(root, parsed.runtime, label)
