@@ -1,7 +1,7 @@
 """Config rules Triton 2.51 enforces only in its log: a model breaking one fails every poll ("Poll failed for model
 directory ...") while Triton's index lists its folder with no state and no reason, so a load waits out its deadline
-and then can only say that Triton did not load the model (exit 13). The cheap ones are checked here, in Triton's words, so such a load
-fails in a second (exit 10) naming the field.
+and then can only say that Triton did not load the model (exit 13). The cheap ones are checked here, in Triton's
+words, so such a load fails in a second (exit 10) naming the field.
 
 Each rule is Triton's own (``ValidateModelConfig``), never stricter: ``tests/loader/test_config_rules.py`` places
 every config refused here, and every one let through beside it, in a real Triton.
