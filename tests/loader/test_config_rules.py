@@ -32,6 +32,12 @@ def start_control(table: str, values: str) -> str:
     )
 
 
+def sequence_control(name: str, kind: str, fields: str) -> str:
+    return batching(
+        8, f'sequence_batching {{ control_input [ {{ name: "{name}" control [ {{ kind: {kind} {fields} }} ] }} ] }}\n'
+    )
+
+
 REFUSED = [
     R(batching(-1), "max_batch_size is -1", "'max_batch_size' must be non-negative value", id="negative-batch"),
     R(batching(8, "dynamic_batching { preferred_batch_size: [ 16 ] }\n"),
@@ -44,6 +50,20 @@ REFUSED = [
       "'int32_false_true' must have exactly 2 entries", id="one-value"),
     R(start_control("fp32_false_true", "[ 0, 1, 2 ]"), "has fp32_false_true [0.0, 1.0, 2.0]",
       "'fp32_false_true' must have exactly 2 entries", id="three-values"),
+    R(sequence_control("CORRID", "CONTROL_SEQUENCE_CORRID", "data_type: TYPE_UINT64 int32_false_true: [ 0, 1 ]"),
+      "control_input 'CORRID' has int32_false_true [0, 1] on a CONTROL_SEQUENCE_CORRID control",
+      "must not specify either 'int32_false_true', 'fp32_false_true' or 'bool_false_true' for CONTROL_SEQUENCE_CORRID",
+      id="corrid-with-values"),
+    R(sequence_control("CORRID", "CONTROL_SEQUENCE_CORRID", "data_type: TYPE_UINT64 bool_false_true: [ true ]"),
+      "control_input 'CORRID' has bool_false_true [True] on a CONTROL_SEQUENCE_CORRID control",
+      "must not specify either", id="corrid-with-one-value"),
+    R(sequence_control("START", "CONTROL_SEQUENCE_START", "int32_false_true: [ 0, 1 ] fp32_false_true: [ 0, 1 ]"),
+      "control_input 'START' has int32_false_true and fp32_false_true",
+      "specifies more than one from 'int32_false_true', 'fp32_false_true' and 'bool_false_true' for "
+      "CONTROL_SEQUENCE_START", id="two-tables"),
+    R(sequence_control("END", "CONTROL_SEQUENCE_END", "int32_false_true: [ 0, 1 ] fp32_false_true: [ 1 ]"),
+      "control_input 'END' has int32_false_true and fp32_false_true", "specifies more than one from",
+      id="two-tables-one-short"),
 ]  # fmt: skip
 
 LET_THROUGH = [
@@ -51,6 +71,10 @@ LET_THROUGH = [
     R(batching(0, "dynamic_batching { }\n"), id="dynamic-batching-without-batching"),
     R(start_control("int32_false_true", "[ 0, 1 ]"), id="two-values"),
     R(start_control("fp32_false_true", "[ 0, 1 ]"), id="two-floats"),
+    R(sequence_control("READY", "CONTROL_SEQUENCE_READY", "bool_false_true: [ false, true ]"), id="two-bools"),
+    R(sequence_control("CORRID", "CONTROL_SEQUENCE_CORRID", "data_type: TYPE_UINT64"), id="corrid-without-values"),
+    # A kind by number that Triton 2.51 does not know: none of its checks looks at that control, and it loads.
+    R(sequence_control("C", "7", "int32_false_true: [ 1 ] fp32_false_true: [ 0 ]"), id="unknown-kind"),
 ]
 
 

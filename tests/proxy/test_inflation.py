@@ -1,5 +1,5 @@
 """The zip-bomb guard both front ends inflate through: bounded steps, the bound at its edges, the stream's ends.
-Pure logic (REST's and gRPC's answers to its outcomes are tested in test_inspect.py and test_grpc_messages.py)."""
+Pure logic (REST's and gRPC's answers to its outcomes are tested in test_request_body.py and test_grpc_messages.py)."""
 
 from __future__ import annotations
 

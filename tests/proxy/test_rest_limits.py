@@ -158,6 +158,27 @@ def test_an_upload_held_for_its_check_at_sigterm_is_completed(
     assert "drained: no request in flight" in proxy.log_text()
 
 
+def test_a_head_held_for_its_body_at_sigterm_is_completed(
+    start_proxy: Callable[..., ProxyProcess], served_models: ServedModels
+) -> None:
+    """Regression: a head judged before that came alone was held for its body (the short path) without counting
+    as held, so a SIGTERM then found nothing in flight and the proxy exited under the client about to send it."""
+    own = served_models.own
+    proxy = start_proxy(own, "--no-unload", "--drain-timeout-s", "10")
+    body = infer_body([5.0, 6.0])
+    head = infer_head(own, len(body))
+    with Raw(proxy.http_port) as conn:
+        assert conn.send(head + body).response()[0] == 200  # the head judged
+        conn.send(head)
+        time.sleep(0.1)
+        proxy.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        time.sleep(0.5)
+        status, headers, answer = conn.send(body).response()
+        assert status == 200 and json.loads(answer)["outputs"][0]["data"] == [5.0, 6.0]
+        assert headers["connection"] == "close"
+    assert proxy.process.wait(timeout=15) == 0  # type: ignore[union-attr]
+
+
 @pytest.mark.timeout(60)
 def test_requests_pipelined_behind_one_at_triton_are_read_only_up_to_a_bound(
     start_proxy: Callable[..., ProxyProcess], recording_model: Callable[[float], RecordingModel]

@@ -14,12 +14,14 @@ from typing import Any
 from tritonshare.common.errors import InvalidModel
 
 _TRUTH_TABLES = ("int32_false_true", "fp32_false_true", "bool_false_true")  # a sequence control's two values
+_TABLES_SAID = "'int32_false_true', 'fp32_false_true' or 'bool_false_true'"  # as Triton's messages name them
+_CORRID = "CONTROL_SEQUENCE_CORRID"  # the correlation-id control: a typed value, no truth table
 
 
 def check_triton_rules(config: Any, where: str) -> None:
     """Refuse a config (``config``, a ModelConfig message) that Triton 2.51 refuses without saying so but in its
     log: a negative ``max_batch_size``, a ``preferred_batch_size`` not in 1..``max_batch_size``, a sequence
-    control's truth table without exactly two values."""
+    control's truth tables not as Triton takes them (:func:`_check_truth_tables`)."""
     batch = config.max_batch_size
     if batch < 0:
         what, fix = f"max_batch_size is {batch}", "give 0 for a model that does not batch, else the largest batch"
@@ -34,12 +36,32 @@ def check_triton_rules(config: Any, where: str) -> None:
             raise _refused(where, what, "dynamic batching preferred size must be <= max batch size", fix)
     for control_input in config.sequence_batching.control_input:
         for control in control_input.control:
-            for table in _TRUTH_TABLES:
-                values = list(getattr(control, table))
-                if values and len(values) != 2:
-                    what = f"sequence_batching control_input {control_input.name!r} has {table} {values}"
-                    says = f"sequence batching control '{table}' must have exactly 2 entries"
-                    raise _refused(where, what, says, "give the false value, then the true one")
+            _check_truth_tables(control, f"sequence_batching control_input {control_input.name!r}", where)
+
+
+def _check_truth_tables(control: Any, named: str, where: str) -> None:
+    """A sequence control's truth tables as Triton 2.51 takes them: none on a correlation-id control, at most
+    one on a start, ready or end control, and that one with exactly two values (in this order, as Triton looks).
+    A kind Triton does not know (``kind: 7`` parses) is looked at by none of its checks: that model loads."""
+    kinds = control.DESCRIPTOR.fields_by_name["kind"].enum_type.values_by_number
+    if control.kind not in kinds:
+        return
+    kind = kinds[control.kind].name
+    given = [table for table in _TRUTH_TABLES if len(getattr(control, table))]
+    if given and kind == _CORRID:
+        what = f"{named} has {given[0]} {list(getattr(control, given[0]))} on a {kind} control"
+        says = f"sequence batching must not specify either {_TABLES_SAID} for {kind}"
+        raise _refused(where, what, says, "a correlation-id control takes no truth table: remove it")
+    if len(given) > 1:
+        what = f"{named} has {' and '.join(given)}"
+        says = f"sequence batching specifies more than one from {_TABLES_SAID.replace(' or ', ' and ')} for {kind}"
+        raise _refused(where, what, says, "give one truth table")
+    for table in given:
+        values = list(getattr(control, table))
+        if len(values) != 2:
+            what = f"{named} has {table} {values}"
+            says = f"sequence batching control '{table}' must have exactly 2 entries"
+            raise _refused(where, what, says, "give the false value, then the true one")
 
 
 def _refused(where: str, what: str, triton_says: str, fix: str) -> InvalidModel:

@@ -212,11 +212,13 @@ class ClientConnection(RequestPath, asyncio.Protocol):
         self.unpause(CLIENT_FULL)
 
     def drain(self) -> None:
-        """Draining: an idle connection closes now; a busy one after its current response."""
+        """Draining: an idle connection closes now; a busy one after its current response. A head held for its
+        body (data_received) is started now: the drain waits for a request in progress, not for a held head."""
         if self.exchange is None and not self.buf:
             self._shutdown()
         else:
             self.close_after = self.drain_grace = True
+            self._start_held()
 
     def abort(self) -> None:
         if self.transport is not None:
@@ -241,16 +243,19 @@ class ClientConnection(RequestPath, asyncio.Protocol):
                 upstream, self.upstream = self.upstream, None  # for whoever needs one; the next request takes one
                 self.fe.pool.give(upstream)
         elif ex is None and not self.paused and self.buf.endswith(b"\r\n\r\n"):
-            # A whole head held for its body (data_received), which is late: it becomes a request in progress now,
-            # whose body the stall clock then times as any other's.
-            data, self.buf = self.buf, b""
-            self._consume(data)
+            self._start_held()  # its body is late: the stall clock then times it as any other's
         elif self.stalled_since is None:
             self.stalled_since = now if self.progress else self.idle_since  # the first head: from the accept
             if now - self.stalled_since >= self.fe.header_timeout_s:
                 self._time_out(ex)
         elif now - self.stalled_since >= self.fe.header_timeout_s:
             self._time_out(ex)
+
+    def _start_held(self) -> None:
+        """A whole head held for its body (data_received) becomes a request in progress, read the general way."""
+        if self.exchange is None and not self.paused and self.buf.endswith(b"\r\n\r\n"):
+            data, self.buf = self.buf, b""
+            self._consume(data)
 
     def _time_out(self, ex: Exchange | None) -> None:
         """408 and close: the head (``ex`` None) or the body did not come in time. A client that has not read its
