@@ -242,7 +242,7 @@ class ClientConnection(RequestPath, asyncio.Protocol):
             elif idle_s >= UPSTREAM_IDLE_S and self.upstream is not None and not self.paused:
                 upstream, self.upstream = self.upstream, None  # for whoever needs one; the next request takes one
                 self.fe.pool.give(upstream)
-        elif ex is None and not self.paused and self.buf.endswith(b"\r\n\r\n"):
+        elif self._holding_head():
             self._start_held()  # its body is late: the stall clock then times it as any other's
         elif self.stalled_since is None:
             self.stalled_since = now if self.progress else self.idle_since  # the first head: from the accept
@@ -251,9 +251,14 @@ class ClientConnection(RequestPath, asyncio.Protocol):
         elif now - self.stalled_since >= self.fe.header_timeout_s:
             self._time_out(ex)
 
+    def _holding_head(self) -> bool:
+        """Whether a whole head is held for its body (_recall): no request in progress, reading not paused, and
+        the bytes kept end a head (a partial head kept never does)."""
+        return self.exchange is None and not self.paused and self.buf.endswith(b"\r\n\r\n")
+
     def _start_held(self) -> None:
         """A whole head held for its body (data_received) becomes a request in progress, read the general way."""
-        if self.exchange is None and not self.paused and self.buf.endswith(b"\r\n\r\n"):
+        if self._holding_head():
             data, self.buf = self.buf, b""
             self._consume(data)
 
