@@ -149,7 +149,7 @@ def measure(requests: int, top: int, sources: dict[str, Path]) -> None:
 def _traced_proxy(server: Any, tmp: Path, src: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
     """``tritonshare proxy`` from ``src``, counting opcodes (:func:`serve_traced`): the process, its REST port and
     the file its counts go to."""
-    from tests.support.ports import free_port
+    from tests.support.ports import free_port, wait_port
 
     staging, out, port = tmp / "staging", tmp / "opcodes.tsv", free_port()
     staging.mkdir(exist_ok=True)
@@ -164,22 +164,11 @@ def _traced_proxy(server: Any, tmp: Path, src: Path) -> Iterator[tuple[subproces
             stderr=subprocess.STDOUT,
         )
     try:
-        _wait_listening(port)
+        wait_port(port)
         yield proxy, port, out
     finally:
         proxy.terminate()
         proxy.wait(30)
-
-
-def _wait_listening(port: int) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"the proxy did not listen on {port}")
 
 
 def _report(label: str, out: Path, requests: int, top: int) -> None:
