@@ -4,10 +4,8 @@ loads."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import pytest
 from tests.support.install import own_triton_serving
 from tests.support.models import IDENTITY_CONFIG, write_model
 from tritonshare.common.errors import ExitCode, InvalidModel
+from tritonshare.common.triton import TritonClient
 from tritonshare.loader.model import prepare
 
 R = pytest.param
@@ -106,24 +105,23 @@ def test_the_rules_are_tritons_own(tmp_path: Path) -> None:
     refused = {f"refused-{p.id}": p.values[0] for p in REFUSED}
     allowed = {f"allowed-{p.id}": p.values[0] for p in LET_THROUGH}
     with own_triton_serving(tmp_path, "neighbour") as server:
+        triton = TritonClient(server.url)
         for name, config in {**refused, **allowed}.items():
             write_model(tmp_path / "staging" / name, name=name, config=str(config))
             os.rename(tmp_path / "staging" / name, server.repository / name)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            states = _index(server.url)
+            states = _index(triton)
             if all(states.get(name) == "READY" for name in allowed):
                 break
             time.sleep(0.5)
         time.sleep(2)  # two more polls for the refused ones
-        states, log = _index(server.url), server.log_text()
+        states, log = _index(triton), server.log_text()
     assert {name: states.get(name) for name in allowed} == dict.fromkeys(allowed, "READY")
     assert {name: states.get(name) for name in refused} == dict.fromkeys(refused, "")  # listed, never with a state
     for name in refused:
         assert f"Poll failed for model directory '{name}'" in log, name
 
 
-def _index(url: str) -> dict[str, str]:
-    request = urllib.request.Request(f"{url}/v2/repository/index", data=b"{}", method="POST")
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return {model["name"]: model.get("state", "") for model in json.loads(response.read())}
+def _index(triton: TritonClient) -> dict[str, str]:
+    return {entry.name: entry.state for entry in triton.repository_index()}
