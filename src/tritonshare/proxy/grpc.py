@@ -85,7 +85,7 @@ from tritonshare.proxy.grpc_streams import PROTOCOL
 from tritonshare.proxy.grpc_upstream import UpstreamConnection
 from tritonshare.proxy.grpc_verdicts import Unavailable
 from tritonshare.proxy.overload import Closed, has_room, over_cap_message
-from tritonshare.proxy.state import ProxyState
+from tritonshare.proxy.state import ProxyState, listening_port
 from tritonshare.proxy.tls import Handshakes
 
 _PLAIN_TEXT = Unavailable(plaintext.GRPC_HINT, plaintext.REASON, turned_away=True)
@@ -110,9 +110,7 @@ class GrpcFrontend:
 
     @property
     def port(self) -> int:
-        if self._server is None or not self._server.sockets:
-            return self._state.settings.grpc_port
-        return int(self._server.sockets[0].getsockname()[1])
+        return listening_port(self._server) or self._state.settings.grpc_port
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

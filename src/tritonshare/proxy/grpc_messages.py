@@ -197,9 +197,9 @@ class MessageInspector:
                     return self._refusal
         except (MalformedMessage, CorruptStream) as exc:
             return _malformed(exc)
-        except OverBudget as exc:
+        except OverBudget as over:  # (not `exc` again: compiled code types a name once, by its first use)
             assert self._judge.budget is not None  # (only a walker given a budget raises it)
-            return Refusal(GRPC_RESOURCE_EXHAUSTED, self._judge.budget.grpc_refusal(exc.size, exc.own), held.REASON)
+            return Refusal(GRPC_RESOURCE_EXHAUSTED, self._judge.budget.grpc_refusal(over.size, over.own), held.REASON)
         return None
 
     def close(self) -> None:

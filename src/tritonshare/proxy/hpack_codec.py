@@ -121,10 +121,10 @@ class HeaderDecoder:
             return cached
         try:
             result = self._decode(block)
-        except IndexError as exc:
-            raise HpackError("header block ends inside a field") from exc
-        except HPACKDecodingError as exc:
-            raise HpackError(f"invalid Huffman string in header block: {exc}") from exc
+        except IndexError as short:  # (one name per clause: compiled code types a name once, by its first use)
+            raise HpackError("header block ends inside a field") from short
+        except HPACKDecodingError as invalid:
+            raise HpackError(f"invalid Huffman string in header block: {invalid}") from invalid
         if result.changes_table:
             self.known.clear()
             self.changes += 1

@@ -336,7 +336,8 @@ class ResponseReader:
             if head.status >= 200:
                 break
             out, data = out + data[: end + 4], data[end + 4 :]  # 1xx: informational, a final head follows
-        return out + self._final_head(head, data, end)
+        final = self._final_head(head, data, end)
+        return out + final if out else final  # (b"" + final is final itself in CPython; compiled, a copy)
 
     def _final_head(self, head: ResponseHead, data: bytes, end: int) -> bytes:
         self.head = head

@@ -26,7 +26,7 @@ import logging
 from tritonshare.common.errors import cannot_listen
 from tritonshare.proxy.policy import Verdict
 from tritonshare.proxy.readiness import UNREACHABLE
-from tritonshare.proxy.state import ProxyState
+from tritonshare.proxy.state import ProxyState, listening_port
 from tritonshare.proxy.triton_metrics import TritonModelMetrics
 
 logger = logging.getLogger(__name__)
@@ -57,9 +57,7 @@ class MetricsServer:
 
     @property
     def port(self) -> int:
-        if self._server is None or not self._server.sockets:
-            return 0
-        return int(self._server.sockets[0].getsockname()[1])
+        return listening_port(self._server)
 
     async def start(self) -> None:
         if self._port == 0:  # metrics turned off

@@ -48,7 +48,7 @@ from tritonshare.proxy.request_body import body_too_large
 from tritonshare.proxy.rest_connection import ClientConnection
 from tritonshare.proxy.rest_requests import WHOLE_BODY_BYTES
 from tritonshare.proxy.rest_upstream import PROTOCOL, UpstreamPool
-from tritonshare.proxy.state import ProxyState
+from tritonshare.proxy.state import ProxyState, listening_port
 from tritonshare.proxy.tls import Handshakes
 
 logger = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ class RestFrontend:
             )
         except OSError as exc:
             raise cannot_listen("REST", settings.host, settings.http_port, "--http-port", exc) from exc
-        self._port = int(self._server.sockets[0].getsockname()[1])
+        self._port = listening_port(self._server)
         self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
 
     def stop_accepting(self) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from tritonshare.proxy import held
 from tritonshare.proxy.admission import LIMITED_BY_PROTOCOL, METADATA_BY_PROTOCOL, Admission, AdmissionLimits
@@ -52,6 +52,13 @@ class Frontend(Protocol):
 
     def abort(self) -> None:
         """Close every connection left (after the drain timeout)."""
+
+
+def listening_port(server: asyncio.AbstractServer | None) -> int:
+    """The port ``server`` listens on; 0 before it listens. (``sockets`` is read untyped: uvloop's is a list
+    where typeshed says tuple, and a compiled module checks the type an expression declares.)"""
+    sockets: Any = getattr(server, "sockets", None)
+    return int(sockets[0].getsockname()[1]) if sockets else 0
 
 
 class ProxyState:
