@@ -1,13 +1,15 @@
 """Which tritonshare the benchmarks measure.
 
-The image runs tritonshare on python:3.11-slim's CPython, built with PGO and LTO; a CPython built from source
-without them (pyenv's default) runs pure-Python loops ~20-25 % slower. ``scripts/setup.sh --bench`` makes ``.venv-opt``,
-tritonshare on an optimized build, and the benchmarks measure that one when it exists (else ``.venv``);
+The image runs tritonshare on python:3.11-slim's CPython, built with PGO and LTO, with the proxy's request path
+compiled (setup.py); a CPython built from source without them (pyenv's default) runs pure-Python loops ~20-25 %
+slower. ``scripts/setup.sh --bench`` makes ``.venv-opt``, tritonshare built as the image builds it on an optimized
+interpreter, and the benchmarks measure that one when it exists (else ``.venv``, the source tree);
 ``TRITONSHARE_BENCH_VENV`` names another venv (a path, or a folder name in the repository).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from pathlib import Path
@@ -24,7 +26,19 @@ def venv() -> Path:
     if named:
         return REPO / named
     optimized = REPO / ".venv-opt"
-    return optimized if (optimized / "bin" / "tritonshare").exists() else REPO / ".venv"
+    if not (optimized / "bin" / "tritonshare").exists():
+        return REPO / ".venv"
+    current()
+    return optimized
+
+
+@functools.cache
+def current() -> None:
+    """.venv-opt holds a build of tritonshare (the proxy compiled, scripts/compile.py), not the source tree: refuse
+    to measure one older than the sources."""
+    check = [str(REPO / ".venv-opt" / "bin" / "python"), str(REPO / "scripts" / "compile.py")]
+    if subprocess.run([*check, "--python", check[0], "--venv", "--check"]).returncode:
+        raise SystemExit(".venv-opt's tritonshare is older than the sources: run scripts/setup.sh --bench")
 
 
 def python() -> Path:

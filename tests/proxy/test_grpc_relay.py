@@ -270,6 +270,7 @@ def short_path(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return answers
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize("grpcio", [False, True])
 @pytest.mark.parametrize("other", ["owx", "other"])  # a name as long as the own one, and one that is not
 def test_unary_calls_repeating_the_last_ones_bytes_are_judged_on_every_call(
@@ -315,6 +316,7 @@ def test_a_stream_with_an_even_id_ends_the_connection(even: int, grpcio: bool) -
     assert sorted(client_streams(to_triton)) == ([] if even == 2 else [1, 3, 5])
 
 
+@pytest.mark.interpreted
 def test_a_repeated_unary_call_after_the_proxys_own_answer_pays_the_window_debt_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -802,6 +802,7 @@ def _written_apart(sock: Raw, head: bytes, body: bytes) -> tuple[int, dict[str, 
     return sock.send(body).response()
 
 
+@pytest.mark.interpreted
 def test_a_body_written_apart_from_its_head_takes_the_short_path(
     triton: TritonServer, served_models: ServedModels, monkeypatch: pytest.MonkeyPatch
 ) -> None:
