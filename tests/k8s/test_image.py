@@ -17,6 +17,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from tests.k8s.dockerfile import (
     layer_key,
 )
 from tests.k8s.kustomize import Build, container, containers, environment
+from tests.support.ports import free_port, wait_port
 from tests.support.triton import REPO_ROOT
 from tritonshare import __version__
 from tritonshare.cli import main as cli
@@ -101,7 +104,7 @@ def test_image_user_owns_the_node_folder(dockerfile: Dockerfile, builds: dict[st
 
 def test_build_context_is_the_package_only() -> None:
     files = context_files(REPO_ROOT, DOCKERIGNORE.read_text())
-    assert {f.split("/")[0] for f in files} == {"pyproject.toml", "README.md", "src"}, sorted(files)[:20]
+    assert {f.split("/")[0] for f in files} == {"pyproject.toml", "setup.py", "README.md", "src"}, sorted(files)[:20]
     assert {"src/tritonshare/cli.py", "src/tritonshare/py.typed"} <= set(files)
     generated = [f for f in files if re.search(r"__pycache__|\.py[cod]$|\.egg-info/", f)]
     assert not generated, f".dockerignore lets generated files into the image: {generated[:5]}"
@@ -245,6 +248,40 @@ def test_image_runs_the_installed_package_not_the_source_tree(image: Image) -> N
     site = Path(module).parent.parent
     assert not [p.name for p in site.glob("__editable__*")], "an editable install, not the image's copy"
     assert os.access(image.venv / "bin" / "tritonshare", os.X_OK)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_image_ships_the_proxy_compiled(image: Image) -> None:
+    """The image's proxy is the compiled one setup.py builds (its request path; the rest stays Python), and it
+    serves: the installed modules are extension modules, and the proxy starts and answers as it must."""
+    python = image.venv / "bin" / "python"
+    probe = "from tritonshare.proxy import rest_connection as r, grpc_connection as g, settings as s; "
+    probe += "print(r.__file__, g.__file__, s.__file__)"
+    proc = subprocess.run([str(python), "-c", probe], env=image.env, capture_output=True, text=True, check=True)
+    rest, grpc, settings = proc.stdout.split()
+    assert rest.endswith(".so") and grpc.endswith(".so"), proc.stdout
+    assert settings.endswith(".py"), "the settings stay Python (setup.py: INTERPRETED)"
+    http, grpc_port = free_port(), free_port()
+    command = [*image.entrypoint, "proxy", "--name", "own", "--host", "127.0.0.1", "--triton-url", "http://127.0.0.1:9",
+               "--triton-grpc", "127.0.0.1:9", "--http-port", str(http), "--grpc-port", str(grpc_port),
+               "--metrics-port", "0", "--no-unload"]  # fmt: skip
+    proxy = subprocess.Popen(command, env=image.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_port(http)
+        answers = {}
+        for path in ("/v2/models/other/infer", "/v2/repository/index", "/v2/models/own/infer"):
+            request = urllib.request.Request(f"http://127.0.0.1:{http}{path}", data=b"{}", method="POST")
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=10)
+            answers[path] = refused.value.code
+            refused.value.close()
+        # another model: not found (as if absent); an admin API: forbidden; its own: Triton is not there
+        assert answers == {"/v2/models/other/infer": 404, "/v2/repository/index": 403, "/v2/models/own/infer": 503}
+    finally:
+        proxy.terminate()
+        said = proxy.communicate(timeout=30)[1]
+    assert proxy.returncode == 0, said[-2000:]  # drained and exited on SIGTERM
 
 
 @pytest.mark.slow
