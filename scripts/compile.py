@@ -37,6 +37,8 @@ def stamp_of(python: Path, target: Path | None) -> Path:
 
 
 def build(python: Path, target: Path | None) -> None:
+    # setuptools builds in the tree (build/) and packs whatever its last builds left there: start clean
+    shutil.rmtree(REPO / "build", ignore_errors=True)
     env = {**os.environ, "TRITONSHARE_COMPILE": "1"}
     command = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps"]
     if target is not None:
