@@ -24,9 +24,9 @@ from tritonshare.common.termination import container_default, write_termination_
 logger = logging.getLogger("tritonshare")
 
 PREFIX = "TRITONSHARE_"
-# Variables of that prefix that are not a command's options: the test suite's own (tests/support) and the
-# benchmarks' (bench/), set in a developer's shell and inherited by the commands they start.
-NOT_OPTIONS = ("TRITONSHARE_TEST_", "TRITONSHARE_BENCH_", "TRITONSHARE_YARDSTICK")
+# Variables of that prefix that are not a command's options: the test suite's own (tests/support), the
+# benchmarks' (bench/) and the build's (setup.py), set in a developer's shell and inherited by the commands they start.
+NOT_OPTIONS = ("TRITONSHARE_TEST_", "TRITONSHARE_BENCH_", "TRITONSHARE_YARDSTICK", "TRITONSHARE_COMPILE")
 TERMINATION_LOG_VARIABLE = PREFIX + "TERMINATION_LOG"
 LOG_FORMAT_VARIABLE = PREFIX + "LOG_FORMAT"
 
