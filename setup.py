@@ -1,8 +1,8 @@
 """The build: pure Python, or, with ``TRITONSHARE_COMPILE=1``, the proxy's request path compiled to C by mypyc.
 
 The proxy runs once per model pod and its CPU per request is paid on every call (issue 4). Compiled from the
-same strictly typed modules, it counts ~27 % fewer instructions per REST request and ~32 % fewer per gRPC call
-(docs/proxy-speed.md, "27 Nov 17:30"). The image builds it so (images/Dockerfile), as do scripts/test.sh (the
+same strictly typed modules, it counts ~27 % fewer instructions per REST request and ~31 % fewer per gRPC call
+(docs/proxy-speed.md, "27 Nov 18:20"). The image builds it so (images/Dockerfile), as do scripts/test.sh (the
 tests run against it) and scripts/setup.sh --bench (the benchmarks measure it); an install without the variable
 is the same program in pure Python.
 
