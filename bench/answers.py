@@ -7,8 +7,9 @@ bench/proxy_summary.py checks:
 
     LABEL answers ok=N cut=K/LIMIT other=M triton_failed=F (other codes, if any)
 
-``ok``: the proxy's 200 and gRPC OK answers; ``cut``: answers to a client gone (REST 499, gRPC closed — wrk and
-h2load end a timed run by closing their connections, requests in flight, at most one per connection: LIMIT);
+``ok``: the proxy's 200 and gRPC OK answers; ``cut``: answers to a client gone (REST 499, gRPC closed, or
+cancelled: a call the client left runs on at Triton, counted when Triton ends it — wrk and h2load end a timed run
+by closing their connections, requests in flight, at most one per connection: LIMIT);
 ``other``: any other code; ``triton_failed``: Triton's ``nv_inference_request_failure``. Without the proxy's
 pages (nginx, direct to Triton) only Triton's count. A page that cannot be read gives ``LABEL answers
 unreadable``: not a success.
@@ -25,7 +26,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 SUCCESS = {("rest", "200"), ("grpc", "ok")}
-CUT = {("rest", "499"), ("grpc", "closed")}
+CUT = {("rest", "499"), ("grpc", "closed"), ("grpc", "cancelled")}
 
 
 def samples(page: str, counter: str) -> Iterator[tuple[dict[str, str], float]]:

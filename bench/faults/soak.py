@@ -211,12 +211,14 @@ def soak(triton: TritonServer, proxy: ProxyProcess, args: argparse.Namespace, lu
     succeeded, failed = (after - was for after, was in zip(triton_counts(triton), before, strict=True))
     peak_kib = max([kib for _, kib in sampler.samples] + [end_kib])
     flat = end_kib - warm_kib <= args.rss_slack_mib * 1024
-    # h2load -D ends a round by closing its connections: the calls then in flight count as "closed" (the client
-    # went away), at most one per connection per round; Triton still completes them (its count is checked).
-    cut = codes.get("grpc closed", 0)
-    bad_codes = {code: n for code, n in codes.items() if code not in ("rest 200", "grpc ok", "grpc closed")}
+    # h2load -D ends a round by closing its connections: the calls then in flight count as "cancelled" (the client
+    # went away; they run to their end at Triton: proxy/grpc_abandon.py), or "closed" with --grpc-cancellations
+    # forward, at most one per connection per round; Triton completes them (its count is checked).
+    left = ("grpc cancelled", "grpc closed")
+    cut = sum(codes.get(code, 0) for code in left)
+    bad_codes = {code: n for code, n in codes.items() if code not in ("rest 200", "grpc ok", *left)}
     if cut > tally.rounds * (args.connections // 2):
-        bad_codes["grpc closed"] = cut
+        bad_codes["grpc cut"] = cut
     errors = tally.rest_errors or tally.grpc_errors or failed or bad_codes or tally.notes
     passed = not errors and succeeded >= tally.answered
     passed = passed and flat and proxy.process is not None and proxy.process.poll() is None
@@ -226,7 +228,7 @@ def soak(triton: TritonServer, proxy: ProxyProcess, args: argparse.Namespace, lu
           f"{tally.answered / tally.seconds:,.0f} req/s")  # fmt: skip
     print(f"errors seen by the clients: REST {tally.rest_errors}, gRPC {tally.grpc_errors}")
     print(f"the proxy's own count by protocol and code: {', '.join(f'{c} {n:,}' for c, n in sorted(codes.items()))}"
-          f" ('grpc closed': calls in flight when h2load closed its connections at the end of each of the "
+          f" ('grpc cancelled': calls in flight when h2load closed its connections at the end of each of the "
           f"{tally.rounds} rounds)")  # fmt: skip
     print(f"Triton's statistics of the model: {succeeded:,} succeeded, {failed} failed")
     print(f"proxy VmRSS: idle {idle_kib / mib:.1f} MiB, warm {warm_kib / mib:.1f} MiB, max {peak_kib / mib:.1f} MiB, "

@@ -374,6 +374,16 @@ def unload(
     help="A gRPC connection with no stream open this long is sent away (GOAWAY); 0 = never.",
 )
 @option(
+    "--grpc-cancellations",
+    type=click.Choice(["absorb", "forward"]),
+    default="absorb",
+    help="What a client's cancelled gRPC call (RST_STREAM, its deadline, its connection gone) does at Triton. "
+    "absorb: Triton is not told; the call runs to its end there and its answer is dropped (grpc-timeout is not "
+    "passed on; the client's own deadline still holds). forward: the cancellation goes on, as nginx does, and "
+    "frees Triton's work — only for Triton 24.12 or later: earlier releases can crash on a cancellation that "
+    "races a call's end (triton-inference-server/server#7368), taking every tenant's model down.",
+)
+@option(
     "--queue-timeout-s",
     type=click.FloatRange(min=0, min_open=True),
     default=10.0,

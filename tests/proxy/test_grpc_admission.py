@@ -26,14 +26,16 @@ BIG = message("own", bytes(range(256)) * 200)  # 51 KiB: more than one DATA fram
 class Relay:
     """One relayed connection with one admission slot; the test plays client and Triton."""
 
-    def __init__(self, **limits: float) -> None:
-        settings = {"max_inflight": 1, "queue_timeout_s": 30.0, **limits}
+    def __init__(self, **options: object) -> None:
+        """``options``: the proxy's settings besides one admission slot."""
+        settings = {"max_inflight": 1, "queue_timeout_s": 30.0, **options}
         self.state = ProxyState(ProxySettings(name="own", triton_grpc="127.0.0.1:1", **settings))  # type: ignore[arg-type]
         self.to_triton, self.to_client = Recorder(), Recorder()
         self.client = Client()
         self.triton = hpack.Encoder()
         self.upstream: UpstreamConnection | None = None
-        self.connection = ClientConnection(GrpcFrontend(self.state, open_upstream=self._open), self.state)
+        self.frontend = GrpcFrontend(self.state, open_upstream=self._open)
+        self.connection = ClientConnection(self.frontend, self.state)
         self.connection.connection_made(self.to_client)  # type: ignore[arg-type]
 
     async def _open(self, factory: object) -> UpstreamConnection:

@@ -166,10 +166,12 @@ def test_the_client_is_told_the_cap_on_streams_and_one_past_it_is_refused() -> N
 
 
 def test_a_stream_ended_makes_room_for_the_next() -> None:
+    """(Cancellations forwarded: the reset ends the stream at Triton. Absorbed, the stream keeps its place until
+    Triton ends it: test_grpc_abandon.)"""
     client = Client()
     talk = START + client.headers(1, "ModelInfer") + client.headers(3, "ModelInfer")
     talk += http2.rst_stream(1, http2.CANCEL) + client.headers(5, "ModelInfer")
-    to_triton, to_client, _ = asyncio.run(relay([talk], grpc_max_streams=2))
+    to_triton, to_client, _ = asyncio.run(relay([talk], grpc_max_streams=2, grpc_cancellations="forward"))
     assert sorted(client_streams(to_triton)) == [1, 3, 5]
     assert not resets(to_client)
 
@@ -180,12 +182,14 @@ def test_triton_s_lower_cap_on_streams_is_passed_on_as_it_is() -> None:
 
 
 def test_rapid_reset_ends_the_connection_after_a_bounded_number_of_streams() -> None:
+    """(Cancellations forwarded. Absorbed, the calls run on at Triton and keep their places under the cap on
+    streams, which bounds them first: test_grpc_abandon.)"""
     client, body = Client(), message("own")
     talk = [
         client.headers(2 * i + 1, "ModelInfer") + data(2 * i + 1, body) + http2.rst_stream(2 * i + 1, http2.CANCEL)
         for i in range(3 * RESET_BURST)
     ]
-    to_triton, to_client, _ = asyncio.run(relay([START, *talk]))
+    to_triton, to_client, _ = asyncio.run(relay([START, *talk], grpc_cancellations="forward"))
     assert goaway_code(to_client) == http2.ENHANCE_YOUR_CALM
     reached = len(client_streams(to_triton))
     assert RESET_BURST <= reached <= RESET_BURST + 100, reached  # (+ what 100 a second refill meanwhile)
@@ -272,7 +276,10 @@ def test_a_connection_with_no_stream_open_goes_away_after_the_idle_timeout() -> 
     idle_s = 0.3
 
     async def scenario() -> tuple[bool, float, bytes]:
-        state = ProxyState(ProxySettings(name="own", triton_grpc="127.0.0.1:1", grpc_idle_timeout_s=idle_s))
+        settings = ProxySettings(
+            name="own", triton_grpc="127.0.0.1:1", grpc_idle_timeout_s=idle_s, grpc_cancellations="forward"
+        )  # (the reset ends the stream at once)
+        state = ProxyState(settings)
         to_client, to_triton = Recorder(), Recorder()
 
         async def open_upstream(factory: Callable[[], UpstreamConnection]) -> UpstreamConnection:

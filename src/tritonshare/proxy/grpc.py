@@ -36,7 +36,9 @@ Triton → client (:mod:`tritonshare.proxy.grpc_upstream`): bytes pass through u
 are read, and header blocks decoded (cached) for ``grpc-status``. Triton's connection opens with the
 client's first bytes (:mod:`tritonshare.proxy.grpc_opening`); when Triton cannot be reached, the proxy
 answers as a minimal HTTP/2 server: each stream gets UNAVAILABLE, then GOAWAY; the next connection tries
-Triton again. Upstream dying mid-connection closes the client's connection.
+Triton again. Upstream dying mid-connection closes the client's connection. A call the client gives up (its
+RST_STREAM, its deadline, its connection gone) is not cancelled at Triton but left to end there, its answer
+dropped (:mod:`tritonshare.proxy.grpc_abandon`: Triton before 24.12 can crash on a cancellation).
 
 Access and fairness (issue 9; each off unless its option is given):
 

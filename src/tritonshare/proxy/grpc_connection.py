@@ -16,6 +16,7 @@ import logging
 from typing import Protocol, cast
 
 from tritonshare.proxy import grpc_replies, http2
+from tritonshare.proxy.grpc_abandon import OrphanedCalls
 from tritonshare.proxy.grpc_admission import StreamGate
 from tritonshare.proxy.grpc_answers import LocalAnswers
 from tritonshare.proxy.grpc_control import ControlFrames, FrameHandler, frame_handlers
@@ -36,7 +37,7 @@ _STATUS_LABELS = grpc_replies.STATUS_LABELS
 # many bytes wait for Triton's connection to open.
 _TRITON_FULL, _CLIENT_FULL, _HELD_FULL = 1, 2, 4
 # Frame constants read for every frame, as module globals (an attribute lookup each is measurable).
-_HEADER_SIZE, _STREAM_ID_MASK = http2.HEADER_SIZE, http2.STREAM_ID_MASK
+_HEADER_SIZE, _STREAM_ID_MASK, _END_STREAM = http2.HEADER_SIZE, http2.STREAM_ID_MASK, http2.END_STREAM
 _SMALL_READ = 4096  # reads shorter than this, of an incomplete frame, are copied into one buffer
 _U32 = http2.U32
 _ZERO = bytes(4)  # the connection's stream id
@@ -102,9 +103,11 @@ class ClientConnection(asyncio.Protocol):
         # stream id aside, opens its stream as that block opens one and is judged as it was (see _calls_again).
         self._call: Call | None = None
         self._goaway_last: int | None = None
+        self._absorb = state.settings.grpc_cancellations == "absorb"
+        self._orphaned: OrphanedCalls | None = None  # the client is gone; calls it abandoned run on at Triton
         self._headers = ClientHeaders(self, state, self._streams, self._answers, self._gate, self._to_client)
         self._control = ControlFrames(
-            self._streams, self._answers, self._resets, self._to_client, self._close_if_drained
+            self._streams, self._answers, self._resets, self._to_client, self._close_if_drained, absorb=self._absorb
         )
         self._frame_handlers, self._block_handlers = frame_handlers(self._on_data, self._headers, self._control)
         # By frame type; the block's own while a header block is open.
@@ -145,24 +148,48 @@ class ClientConnection(asyncio.Protocol):
             self._relay(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._host.connections.discard(self)
         if self._opening is not None:
             self._opening.cancel()
         if self._idle is not None:
             self._idle.cancel()
         self._answers.cancel()
+        upstream = self._upstream
+        streams = self._streams
+        if (
+            self._absorb
+            and upstream is not None
+            and self._orphaned is None
+            and (streams.open_count() or streams.half_open)
+        ):
+            # Triton is not told: the calls run to their end there (grpc_abandon), each stream's request side ended
+            # (whether Triton's was); the connection is counted among the host's until they have.
+            upstream.orphaned = True
+            upstream.send(streams.abandon_all())
+            if streams.abandoned:
+                bound_s = self._state.settings.drain_timeout_s
+                self._orphaned = OrphanedCalls(len(streams.abandoned), bound_s, self._settle)
+                return
+        self._settle()
+
+    def _settle(self) -> None:
+        """Done with the connection: Triton's is closed, the streams left are over."""
+        self._host.connections.discard(self)
+        if self._orphaned is not None:
+            self._orphaned.cancel()
         if self._upstream is not None and self._upstream.transport is not None:
             self._upstream.transport.close()
         self._streams.end_all("closed")
 
     def upstream_lost(self, exc: Exception | None) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            if exc is not None or self._streams.active:
+            if exc is not None or self._streams.open_count():
                 self._state.metrics.upstream_error(PROTOCOL)
                 logger.warning(
                     "connection to Triton gRPC lost (%s): closing the client's connection", exc or "closed by Triton"
                 )
             self.transport.close()
+        if self._orphaned is not None:
+            self._settle()
         self._streams.end_all("closed")
 
     # Backpressure: a full write buffer on one side pauses reading on the other. A client's full one pauses
@@ -220,7 +247,7 @@ class ClientConnection(asyncio.Protocol):
         self._handlers = self._block_handlers if expected else self._frame_handlers
 
     def _close_if_drained(self) -> None:
-        drained = self._goaway_last is not None and not self._streams.active and not self._answers.tasks
+        drained = self._goaway_last is not None and not self._streams.open_count() and not self._answers.tasks
         if drained and self.transport is not None:
             asyncio.get_running_loop().call_soon(self.transport.close)
 
@@ -231,14 +258,21 @@ class ClientConnection(asyncio.Protocol):
             stream = self._active.get(stream_id)
             if stream is not None:
                 stream.headers_sent = True
-        elif (
-            self._streams.finish(stream_id, _STATUS_LABELS.get(status or b"", "unknown"))
-            and self._goaway_last is not None
-        ):
-            self._close_if_drained()
+        elif self._streams.finish(stream_id, _STATUS_LABELS.get(status or b"", "unknown")):
+            self._stream_over()
 
     def response_ended(self, stream_id: int, code: str) -> None:
-        if self._streams.finish(stream_id, code) and self._goaway_last is not None:
+        if self._streams.finish(stream_id, code):
+            self._stream_over()
+
+    def abandoned(self, stream_id: int) -> bool:
+        return stream_id in self._streams.abandoned
+
+    def _stream_over(self) -> None:
+        """Triton ended a forwarded stream: a draining connection may close, a gone client's be done with."""
+        if self._orphaned is not None:
+            self._orphaned.ended(len(self._streams.abandoned))
+        elif self._goaway_last is not None:
             self._close_if_drained()
 
     # ---------------------------------------------------------------------------------- client's side
@@ -299,6 +333,7 @@ class ClientConnection(asyncio.Protocol):
         stream = self._headers.open_again(stream_id, data[_HEADER_SIZE:fragment_end], block)
         if stream is None:
             return False
+        stream.client_done = True  # (its DATA frame ends it)
         if stream.judge is not judge or stream.inspector is not None or stream.ticket is not None:
             self._to_upstream(data[:split])  # (never, as remembered: the DATA frame is judged in full)
             self._relay_frames(data, split)
@@ -474,8 +509,9 @@ class ClientConnection(asyncio.Protocol):
     def _on_data(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
         stream = self._active.get(stream_id)
         if stream is None:
-            known = self._streams.known_upstream(stream_id)
-            return None if known else self._drop_data(stop - pos - _HEADER_SIZE)
+            return self._data_out_of_flight(stream_id, flags, stop - pos - _HEADER_SIZE)
+        if flags & _END_STREAM:
+            stream.client_done = True
         inspector = stream.inspector
         if inspector is not None:
             refusal = self._inspect(inspector, data, pos, stop, flags)
@@ -504,6 +540,15 @@ class ClientConnection(asyncio.Protocol):
         self._drop_data(stop - pos - _HEADER_SIZE)
         self._resets.spend()
         return http2.rst_stream(stream_id, http2.CANCEL)
+
+    def _data_out_of_flight(self, stream_id: int, flags: int, length: int) -> bytes | None:
+        """A DATA frame of a stream not in flight: forwarded if Triton saw the stream (it may have ended its side
+        first), else dropped."""
+        if not self._streams.known_upstream(stream_id):
+            return self._drop_data(length)
+        if flags & _END_STREAM:  # the client ends its side of a stream Triton ended: closed now
+            self._streams.half_open.pop(stream_id, None)
+        return None
 
     def _inspect(self, inspector: MessageInspector, data: bytes, pos: int, stop: int, flags: int) -> Refusal | None:
         """Feed a DATA frame's content (padding left out) to a stream's inspector."""

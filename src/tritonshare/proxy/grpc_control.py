@@ -5,7 +5,9 @@ RST_STREAM, SETTINGS, PING, WINDOW_UPDATE and frame types HTTP/2 does not define
 (SETTINGS and PING keep their meaning between the two ends, see :mod:`tritonshare.proxy.grpc`), but for what the
 relay must keep Triton from seeing or must answer itself: a RST_STREAM or a stream WINDOW_UPDATE for a stream
 Triton never saw is dropped (a connection error there, RFC 7540 §5.1); a forwarded stream the client resets
-spends from its reset budget (rapid reset); a connection WINDOW_UPDATE has the DATA bytes of the proxy's own
+spends from its reset budget (rapid reset) — unless cancellations are absorbed: then it is abandoned, not reset at
+Triton, and keeps its place under the cap on streams, and a reset of a stream Triton has ended is not passed on
+either (:mod:`tritonshare.proxy.grpc_abandon`); a connection WINDOW_UPDATE has the DATA bytes of the proxy's own
 answers taken off (:attr:`LocalAnswers.window_debt`). While the proxy answers every stream itself (Triton
 unreachable, or the connection turned away), the connection's table is :meth:`ControlFrames.answering`: the proxy
 acknowledges SETTINGS and PING, as Triton would. A client's PUSH_PROMISE, or any frame but a CONTINUATION inside
@@ -41,23 +43,36 @@ class ControlFrames:
         resets: ResetBudget,
         to_client: Callable[[bytes], None],
         settled: Callable[[], None],
+        *,
+        absorb: bool,
     ) -> None:
         """``to_client``: writes the proxy's frames between Triton's; ``settled``: told when a stream is over (a
-        draining connection may close then)."""
+        draining connection may close then); ``absorb``: a client's reset is not passed on to Triton
+        (:mod:`tritonshare.proxy.grpc_abandon`)."""
         self._streams = streams
         self._answers = answers
         self._resets = resets
         self._to_client = to_client
         self._settled = settled
+        self._absorb = absorb
 
     def on_rst_stream(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
-        if self._streams.finish(stream_id, "cancelled"):
+        streams = self._streams
+        if stream_id in streams.active:
+            if self._absorb:
+                # Left to run, it keeps its place under the cap on streams: no stream set up for nothing, so
+                # nothing spent from the reset budget.
+                instead = streams.abandon(stream_id)
+                if instead is not None:
+                    return instead
             self._resets.spend()
+            streams.finish(stream_id, "cancelled")
             self._settled()
             return None
-        if self._streams.forget_local(stream_id):
+        if streams.forget_local(stream_id) or not streams.known_upstream(stream_id):
             return b""
-        return None if self._streams.known_upstream(stream_id) else b""
+        # Triton has ended it: a reset crossing Triton's answer is the very race that crashes Triton before 24.12.
+        return streams.after_end(stream_id) if self._absorb else None
 
     def ack_settings(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
         if not flags & http2.ACK:

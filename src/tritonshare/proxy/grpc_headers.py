@@ -87,8 +87,14 @@ class ClientHeaders:
         strip = {name.lower().encode() for name in state.settings.strip_headers}
         if state.auth is not None:
             strip.add(b"authorization")  # the tenant's token is for the proxy, not for Triton (as REST strips it)
+        self._reencode = bool(strip)  # forward re-encoded header blocks instead of the client's bytes
+        # Absorbing cancellations (grpc_abandon.py), a call's deadline is not passed on: at it, Triton's gRPC server
+        # would cancel the call itself. The first block that carries one turns re-encoding on (for good: the two
+        # tables part there).
+        self._strip_deadlines = state.settings.grpc_cancellations == "absorb"
+        if self._strip_deadlines:
+            strip.add(b"grpc-timeout")
         self._strip = frozenset(strip)
-        self._reencode = bool(self._strip)  # forward re-encoded header blocks instead of the client's bytes
         # The last block re-encoded (a client repeats it): the block, its fragment, and when it fits one HEADERS
         # frame that frame's length and type.
         self._plain: tuple[HeaderBlock, bytes, bytes | None] | None = None
@@ -118,6 +124,8 @@ class ClientHeaders:
             fragment = data[pos + _HEADER_SIZE : stop]
             block = self._known.get(fragment) or self._decode(fragment)  # (a known block was measured)
             if self._reopen(stream_id, block) is not None:  # a new stream opened as the last one was: forwarded
+                if flags & http2.END_STREAM:  # (gRPC calls end with DATA: rare)
+                    self._streams.client_ended(stream_id)
                 return self._plain_frames(stream_id, flags, block) if self._reencode else None
             return self._on_header_block(stream_id, flags, block)
         self._measure(stop - pos)
@@ -148,7 +156,7 @@ class ClientHeaders:
             or forwarded[0] is not block
             or stream_id <= self._streams.client_max
             or not stream_id & 1
-            or len(self._active) >= self._max_streams
+            or self._streams.open_count() >= self._max_streams
             or (self._auth is not None and self._auth.current() != self._verified)
         ):
             return None
@@ -197,6 +205,8 @@ class ClientHeaders:
     def _on_header_block(self, stream_id: int, flags: int, block: HeaderBlock) -> bytes | None:
         """A complete header block, decoded: judge a new stream, then forward it as is (None), re-encoded
         (bytes) or not at all (b"")."""
+        if block.deadline and self._strip_deadlines:
+            self._reencode = True
         if stream_id > self._streams.client_max:
             if not stream_id & 1:
                 raise http2.FrameError(
@@ -222,6 +232,8 @@ class ClientHeaders:
                 self._reencode = self._reencode or block.changes_table
                 stream.held.append(self._plain_frames(stream_id, flags, block))
                 return b""
+        if flags & http2.END_STREAM:  # (gRPC calls end with DATA: rare)
+            self._streams.client_ended(stream_id)
         if not self._reencode:
             return None
         return self._plain_frames(stream_id, flags, block)

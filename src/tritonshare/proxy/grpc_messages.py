@@ -202,6 +202,10 @@ class MessageInspector:
             return Refusal(GRPC_RESOURCE_EXHAUSTED, self._judge.budget.grpc_refusal(over.size, over.own), held.REASON)
         return None
 
+    def between_messages(self) -> bool:
+        """Every message fed so far is whole: the stream is at a message boundary."""
+        return self._walker is None and not self._prefix
+
     def close(self) -> None:
         """The stream is over, whichever way: what the message in progress kept is given back."""
         if self._walker is not None:

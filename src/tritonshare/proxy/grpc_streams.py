@@ -49,6 +49,7 @@ class Stream:
     holding: bool = False  # holds an admission slot
     held: list[bytes] | None = None  # its frames kept from Triton until it gets a slot
     held_bytes: int = 0  # their DATA payload bytes (flow-controlled)
+    client_done: bool = False  # the client ended its side (END_STREAM)
 
 
 class StreamTable:
@@ -58,6 +59,12 @@ class StreamTable:
         self._admission = state.admission
         self._credit = credit
         self.active: dict[int, Stream] = {}  # one dict for the table's life (the relay keeps a reference)
+        # Given up by the client, not by Triton, which runs them to their end (grpc_abandon): out of ``active``, so
+        # no frame of the client's reaches Triton for them; still counted under the cap on open streams.
+        self.abandoned: dict[int, Stream] = {}
+        # Ended by Triton while the client's side was still open: whether the client's messages stood at a boundary
+        # (recent ones; see after_end).
+        self.half_open: dict[int, bool] = {}
         self.reset: dict[int, None] = {}  # forwarded, then reset by the proxy
         self.local: dict[int, None] = {}  # answered by the proxy
         self.client_max = 0  # highest stream id the client opened
@@ -86,13 +93,79 @@ class StreamTable:
         """Triton or the client ended a forwarded stream; False if it was not in flight."""
         stream = self.active.pop(stream_id, None)
         if stream is None:
-            return False
+            if not self.abandoned:
+                return False
+            stream = self.abandoned.pop(stream_id, None)
+            if stream is None:
+                return False
+            code = "cancelled"  # (by the client)
         if stream.ticket is not None or stream.holding:
             self._leave(stream)
+        if not stream.client_done:  # (Triton ended it first: a streaming call)
+            self.half_open[stream_id] = _at_boundary(stream)
+            if len(self.half_open) > _RECENT_LIMIT:
+                del self.half_open[next(iter(self.half_open))]
         if stream.inspector is not None:  # what it kept of a message in progress goes back
             stream.inspector.close()
         stream.meter.end(code, stream.started)
         return True
+
+    def after_end(self, stream_id: int) -> bytes | None:
+        """The client reset a stream Triton has ended: what Triton gets instead, when cancellations are absorbed —
+        nothing if the client had ended its side too (the stream is closed at Triton), an empty DATA frame ending
+        that side if it had not (between messages), or None: the reset goes on (a message half forwarded)."""
+        boundary = self.half_open.pop(stream_id, None)
+        if boundary is None:
+            return b""
+        return http2.frame(http2.DATA, http2.END_STREAM, stream_id, b"") if boundary else None
+
+    def open_count(self) -> int:
+        """Streams Triton runs for this connection: forwarded, and abandoned ones."""
+        return len(self.active) + len(self.abandoned)
+
+    def client_ended(self, stream_id: int) -> None:
+        """The client's header block ended its side of a stream (its DATA frames are seen by the relay)."""
+        stream = self.active.get(stream_id)
+        if stream is not None:
+            stream.client_done = True
+
+    def abandon(self, stream_id: int) -> bytes | None:
+        """The client gave up a forwarded stream (reset it, or left): it moves to :attr:`abandoned`, holding what
+        it holds (its admission slot, its place among the streams) until Triton ends it, and no frame of it goes
+        either way from now on (:meth:`known_upstream` is False). Returns what Triton gets instead of a
+        cancellation (:mod:`tritonshare.proxy.grpc_abandon`), or None, nothing done, if the stream cannot be left
+        to run: the caller resets it at Triton then."""
+        stream = self.active.get(stream_id)
+        if stream is None or stream.ticket is not None:
+            return None  # (waiting for a slot: Triton holds its first message but for the last byte, computes nothing)
+        if stream.client_done:  # Triton has the whole request: nothing to say
+            instead = b""
+        elif _at_boundary(stream):
+            # Between messages: the request side ends here, as if the client had ended it (Triton answers what it
+            # has, then ends the stream).
+            instead = http2.frame(http2.DATA, http2.END_STREAM, stream_id, b"")
+        else:
+            return None
+        del self.active[stream_id]
+        self.abandoned[stream_id] = stream
+        _remember(self.reset, stream_id, self.abandoned)
+        return instead
+
+    def abandon_all(self) -> bytes:
+        """The client's connection is gone: every forwarded stream is abandoned, or reset at Triton where it
+        cannot be (see :meth:`abandon`). Returns the frames for Triton."""
+        frames: list[bytes] = []
+        for stream_id in list(self.half_open):  # ended by Triton, not yet by the client
+            frames.append(self.after_end(stream_id) or http2.rst_stream(stream_id, http2.CANCEL))
+        for stream_id in list(self.active):
+            instead = self.abandon(stream_id)
+            if instead is None:
+                self.finish(stream_id, "closed")
+                _remember(self.reset, stream_id, self.abandoned)
+                frames.append(http2.rst_stream(stream_id, http2.CANCEL))
+            elif instead:
+                frames.append(instead)
+        return b"".join(frames)
 
     def refuse(self, stream_id: int, refusal: Refusal) -> Stream:
         """A message of a forwarded stream is refused: the proxy resets it at Triton."""
@@ -101,7 +174,7 @@ class StreamTable:
             self._leave(stream)
         if stream.inspector is not None:  # what it kept of a message in progress goes back
             stream.inspector.close()
-        _remember(self.reset, stream_id)
+        _remember(self.reset, stream_id, self.abandoned)
         stream.meter.end(STATUS_NAMES[refusal.status], stream.started)
         self._state.metrics.refused(PROTOCOL, stream.rule.route, refusal.reason)
         return stream
@@ -114,8 +187,9 @@ class StreamTable:
         return True
 
     def end_all(self, code: str) -> None:
-        streams = list(self.active.values())
+        streams = [*self.active.values(), *self.abandoned.values()]
         self.active.clear()
+        self.abandoned.clear()
         for stream in streams:
             if stream.ticket is not None or stream.holding:
                 self._leave(stream)
@@ -182,7 +256,7 @@ class IdleWatch:
 
     def _check(self) -> None:
         streams = self._streams
-        busy = bool(streams.active) or self._busy()
+        busy = bool(streams.active or streams.abandoned) or self._busy()
         if not (busy or self._was_busy or streams.client_max != self._mark):
             self._end()
             return
@@ -190,7 +264,18 @@ class IdleWatch:
         self._timer = asyncio.get_running_loop().call_later(self._period_s, self._check)
 
 
-def _remember(ids: dict[int, None], stream_id: int) -> None:
+def _at_boundary(stream: Stream) -> bool:
+    """Every message of the stream forwarded so far is whole (so ending its request side there is clean). Not
+    known for a stream whose messages are not followed (no judge): False."""
+    return stream.judge is not None and (stream.inspector is None or stream.inspector.between_messages())
+
+
+def _remember(ids: dict[int, None], stream_id: int, running: dict[int, Stream] | None = None) -> None:
+    """Add a stream id to a bounded set of recent ones; the oldest goes, unless it is still ``running`` at Triton
+    (abandoned: its frames must still be dropped and credited)."""
     ids[stream_id] = None
     if len(ids) > _RECENT_LIMIT:
-        del ids[next(iter(ids))]
+        oldest = next(iter(ids))
+        del ids[oldest]
+        if running and oldest in running:
+            ids[oldest] = None

@@ -52,6 +52,8 @@ class StreamOwner(Protocol):
 
     def response_ended(self, stream_id: int, code: str) -> None: ...
 
+    def abandoned(self, stream_id: int) -> bool: ...  # a stream the client gave up that Triton still runs
+
     def upstream_lost(self, exc: Exception | None) -> None: ...
 
     def upstream_paused(self, paused: bool) -> None: ...
@@ -81,6 +83,9 @@ class UpstreamConnection(asyncio.Protocol):
         # WINDOW_UPDATE frames. A read of the same frames but for the stream's id and the DATA frame's length and
         # content is read as it was (see _replies_again).
         self._reply: Reply | None = None
+        # The client is gone; calls it abandoned run on (grpc_abandon): Triton's SETTINGS and PINGs are
+        # acknowledged here, as the client would have.
+        self.orphaned = False
 
     # ---------------------------------------------------------------------------------- asyncio
 
@@ -297,8 +302,7 @@ class UpstreamConnection(asyncio.Protocol):
         if kind == http2.HEADERS or kind == http2.CONTINUATION:
             return _HOLD  # collected whole, then judged by _release
         if stream_id and stream_id in self._owner.reset_streams:
-            if kind == http2.DATA and length:
-                self.send(http2.window_update(0, length))
+            self._dropped(kind, flags, stream_id, length)
             return _DROP
         if kind == http2.DATA:
             if flags & http2.END_STREAM:  # a gRPC response ends with trailers; this one did not
@@ -308,12 +312,34 @@ class UpstreamConnection(asyncio.Protocol):
         elif kind == http2.GOAWAY and self._owner.goaway_last is not None:
             return _HOLD
         elif kind == http2.SETTINGS and not flags & http2.ACK:
+            if self.orphaned:
+                self.send(http2.SETTINGS_ACK)
+            return _HOLD
+        elif kind == http2.PING and self.orphaned and not flags & http2.ACK:
             return _HOLD
         return _PASS
+
+    def _dropped(self, kind: int, flags: int, stream_id: int, length: int) -> None:
+        """A frame of a stream the proxy reset or the client abandoned, dropped: DATA credited back to Triton (the
+        stream's window too while Triton still sends on it: a large answer must not stall it), and an abandoned
+        stream's end seen."""
+        abandoned = self._owner.abandoned(stream_id)
+        if kind == http2.DATA:
+            ended = flags & http2.END_STREAM
+            if length:
+                credit = http2.window_update(0, length)
+                self.send(credit + http2.window_update(stream_id, length) if abandoned and not ended else credit)
+            if ended and abandoned:
+                self._owner.response_ended(stream_id, "unknown")
+        elif kind == http2.RST_STREAM and abandoned:
+            self._owner.response_ended(stream_id, "reset")
 
     def _release(self, frame: bytes) -> list[bytes]:
         """A held frame is complete: what of it (and of frames held before it) goes to the client."""
         _, kind, flags, _ = http2.parse_header(frame, 0)
+        if kind == http2.PING:  # (orphaned: acknowledged here)
+            self.send(http2.frame(http2.PING, http2.ACK, 0, frame[http2.HEADER_SIZE :]))
+            return []
         if kind == http2.GOAWAY:
             return [self._clamp_goaway(frame)]
         if kind == http2.SETTINGS:
@@ -326,6 +352,8 @@ class UpstreamConnection(asyncio.Protocol):
         fragment = b"".join(_fragment(f) for f in frames)
         block = self._decode(fragment)
         if stream_id in self._owner.reset_streams:
+            if first_flags & http2.END_STREAM:  # (a stream the proxy reset is over already)
+                self._owner.response_ended(stream_id, "unknown")
             keep = block.changes_table if block is not None else changes_table(fragment)
             return frames if keep else []
         status = block.status if block is not None else None

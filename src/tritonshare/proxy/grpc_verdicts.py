@@ -137,7 +137,7 @@ class NewStreams:
         """A stream for Triton, unless the client already has as many open there as the proxy advertises
         (SETTINGS_MAX_CONCURRENT_STREAMS): refused then, which clients retry; or, with a rate limit, a metadata
         call finds its bucket empty: RESOURCE_EXHAUSTED, as for inference (``Admission.take_metadata_token``)."""
-        if len(self._streams.active) >= self._max_streams:
+        if self._streams.open_count() >= self._max_streams:
             self._streams.answer_locally(stream_id)
             self._to_client(http2.rst_stream(stream_id, http2.REFUSED_STREAM))
             self._state.refuse(PROTOCOL, rule.route, "unavailable", "too_many_streams")  # as clients report it

@@ -56,7 +56,7 @@ class HpackError(Exception):
 
 
 # The fields a header block is read for, each counted in the one pass over its headers (:meth:`HeaderBlock.of`).
-_READ = frozenset({b":path", b"grpc-encoding", b"grpc-status", b"authorization"})
+_READ = frozenset({b":path", b"grpc-encoding", b"grpc-status", b"authorization", b"grpc-timeout"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +69,7 @@ class HeaderBlock:
     status: bytes | None  # grpc-status (of a response's trailers), read once per distinct block
     authorization: bytes | None  # the bearer token's header (the first, if repeated)
     repeated_authorization: bool  # authorization given more than once: the proxy and Triton might read either
+    deadline: bool  # grpc-timeout given: Triton's gRPC server would cancel the call when it passes
 
     @classmethod
     def of(cls, headers: tuple[Header, ...], changes_table: bool) -> HeaderBlock:
@@ -90,6 +91,7 @@ class HeaderBlock:
             statuses[0] if statuses else None,
             tokens[0] if tokens else None,
             len(tokens) > 1,
+            b"grpc-timeout" in found,
         )
 
     def get(self, name: bytes) -> bytes | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from tritonshare.common import termination
 from tritonshare.common.layout import NodeLayout
@@ -37,6 +38,10 @@ class ProxySettings:
     strip_headers: tuple[str, ...] = ()  # e.g. the header key of Triton's --http-restricted-api
     grpc_max_streams: int = 128  # forwarded gRPC streams open at once per client connection (as nginx's default)
     grpc_idle_timeout_s: float = 300.0  # a gRPC connection with no stream open this long goes away; 0 = never
+    # What a client's cancelled gRPC call does at Triton (proxy/grpc_abandon.py): "absorb" never tells Triton (the
+    # call runs to its end there, its answer dropped; grpc-timeout is not passed on); "forward" passes the
+    # cancellation on, as nginx does — safe only from Triton 24.12 on (triton-inference-server/server#7368).
+    grpc_cancellations: Literal["absorb", "forward"] = "absorb"
     # Admission control of the own model's inference requests (proxy/admission.py); 0 turns a limit off.
     max_inflight: int = 0  # at Triton at once, REST and gRPC together (a gRPC stream counts while open)
     max_queue: int = 128  # waiting for a slot; more are refused at once
