@@ -1,0 +1,23 @@
+"""gRPC clients giving up call after call (deadlines of a few milliseconds) through the proxy: the Triton every
+tenant shares stays up. Triton 2.51 crashes in seconds under the same storm direct, or through a proxy that passes
+cancellations on (``bench/faults/cancel_storm.py``, whose smaller version this is; the README has its figures).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from bench.faults import cancel_storm
+
+pytestmark = [pytest.mark.triton, pytest.mark.slow]
+
+
+def test_a_storm_of_calls_given_up_leaves_triton_up(tmp_path: Path) -> None:
+    outcome = cancel_storm.storm(cancel_storm.arguments(["--seconds", "12"]), tmp_path)
+    assert outcome.alive and not outcome.crash_lines, outcome.crash_lines
+    assert not outcome.unexpected, outcome.outcomes
+    past_deadline = sum(n for kind, n in outcome.outcomes.items() if kind.endswith("DEADLINE_EXCEEDED"))
+    assert past_deadline >= 1000, outcome.outcomes  # the storm was one: thousands of calls given up
+    assert outcome.cancelled is not None and outcome.cancelled >= 500, outcome.cancelled  # many while at Triton
+    assert sum(n for kind, n in outcome.outcomes.items() if kind.endswith("OK")) >= 1000  # and it kept serving
