@@ -152,6 +152,31 @@ async def test_a_stream_triton_ended_first_is_ended_by_the_client_side_cleanly()
 
 
 @pytest.mark.asyncio
+async def test_streams_closed_at_triton_get_nothing_more() -> None:
+    """A stream reset at Triton (the client cut it inside a message), one Triton reset, one abandoned that Triton
+    then ended: no frame of theirs goes to Triton after, whatever the client does next (a frame on a closed stream
+    can be a connection error there, which would cancel every call on the connection)."""
+    relay = await absorbing().start()
+    big = message("own", bytes(range(256)) * 100)
+    await relay.send(relay.client.headers(1, "ModelStreamInfer"), data(1, big[:10_000], end=False))
+    await relay.send(http2.rst_stream(1, http2.CANCEL))  # inside a message: reset at Triton
+    for stream_id in (3, 5):
+        await relay.send(
+            relay.client.headers(stream_id, "ModelStreamInfer"), data(stream_id, message("own"), end=False)
+        )
+    assert relay.upstream is not None
+    relay.upstream.data_received(http2.rst_stream(3, http2.INTERNAL_ERROR))  # Triton resets 3
+    await relay.send(http2.rst_stream(5, http2.CANCEL))  # abandoned: its side ended
+    await triton_answers(relay, 5, 100)  # then Triton ends it
+    sent = len(relay.to_triton.out)
+    await relay.send(http2.rst_stream(3, http2.CANCEL), http2.rst_stream(5, http2.CANCEL))
+    relay.connection.connection_lost(None)
+    assert len(relay.to_triton.out) == sent and relay.to_triton.closed
+    assert triton_got(relay, http2.RST_STREAM, 1) == [http2.CANCEL.to_bytes(4, "big")]
+    assert triton_got(relay, http2.DATA, 5)[-1] == b"" and len(triton_got(relay, http2.DATA, 5)) == 2
+
+
+@pytest.mark.asyncio
 async def test_with_cancellations_forwarded_a_reset_crossing_tritons_answer_goes_on() -> None:
     relay = await absorbing(grpc_cancellations="forward").start()
     await relay.send(relay.client.headers(1, "ModelInfer"), data(1, message("own")))

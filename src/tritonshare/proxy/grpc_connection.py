@@ -258,11 +258,11 @@ class ClientConnection(asyncio.Protocol):
             stream = self._active.get(stream_id)
             if stream is not None:
                 stream.headers_sent = True
-        elif self._streams.finish(stream_id, _STATUS_LABELS.get(status or b"", "unknown")):
+        elif self._streams.finish(stream_id, _STATUS_LABELS.get(status or b"", "unknown"), triton_ended=True):
             self._stream_over()
 
     def response_ended(self, stream_id: int, code: str) -> None:
-        if self._streams.finish(stream_id, code):
+        if self._streams.finish(stream_id, code, triton_ended=code != "reset"):
             self._stream_over()
 
     def abandoned(self, stream_id: int) -> bool:

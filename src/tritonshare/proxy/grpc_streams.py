@@ -89,8 +89,9 @@ class StreamTable:
         nor once the proxy has reset it."""
         return stream_id <= self.upstream_max and stream_id not in self.local and stream_id not in self.reset
 
-    def finish(self, stream_id: int, code: str) -> bool:
-        """Triton or the client ended a forwarded stream; False if it was not in flight."""
+    def finish(self, stream_id: int, code: str, *, triton_ended: bool = False) -> bool:
+        """Triton or the client ended a forwarded stream; False if it was not in flight. ``triton_ended``: Triton
+        ended its side (END_STREAM, not a reset), so the client's may still be open."""
         stream = self.active.pop(stream_id, None)
         if stream is None:
             if not self.abandoned:
@@ -101,7 +102,7 @@ class StreamTable:
             code = "cancelled"  # (by the client)
         if stream.ticket is not None or stream.holding:
             self._leave(stream)
-        if not stream.client_done:  # (Triton ended it first: a streaming call)
+        if triton_ended and not stream.client_done:  # (Triton ended it first: a streaming call)
             self.half_open[stream_id] = _at_boundary(stream)
             if len(self.half_open) > _RECENT_LIMIT:
                 del self.half_open[next(iter(self.half_open))]
@@ -146,6 +147,7 @@ class StreamTable:
             instead = http2.frame(http2.DATA, http2.END_STREAM, stream_id, b"")
         else:
             return None
+        stream.client_done = True  # (by the proxy, if not by the client)
         del self.active[stream_id]
         self.abandoned[stream_id] = stream
         _remember(self.reset, stream_id, self.abandoned)
