@@ -3,14 +3,19 @@
 Why: Triton before 24.12 (2.53) can crash on a cancellation that races a call's end — a segmentation fault in
 its gRPC handlers (``IsCancelled`` on a freed context; triton-inference-server/server#7368, #8034, fixed by #7840)
 — and the Triton a proxy talks to is every tenant's. It was seen here twice (Triton 2.51, `bench/proxy_bench.sh`)
-as 16 streaming clients left at once. So no client's cancellation reaches Triton as one:
+as 16 streaming clients left at once, and ``bench/faults/cancel_storm.py`` crashes it in seconds. So no client's
+cancellation reaches Triton as one:
 
 - A client's RST_STREAM on a forwarded stream is not passed on. The stream is *abandoned*: Triton runs the call
   to its end, whatever it sends of it is dropped (its DATA credited back to Triton, on the connection and the
   stream, so a large answer does not stall), and the stream keeps what it holds meanwhile — its admission slot
   and its place under ``grpc_max_streams`` — so cancelling and calling again cannot put more work on Triton
-  than the limits allow. If the client had not ended its side (a ModelStreamInfer stream), an empty DATA frame
-  ends it, as if the client had: Triton answers what it has, then ends the stream.
+  than the limits allow (and nothing is spent from the reset budget: no stream is set up for nothing). If the
+  client had not ended its side (a ModelStreamInfer stream), an empty DATA frame ends it, as if the client had:
+  Triton answers what it has, then ends the stream.
+- A reset of a stream Triton has already ended (the deadline passing as the answer is on its way: the very race
+  of #7368) is not passed on either; if Triton ended a stream whose client was still sending, the client's side
+  is ended with an empty DATA frame instead (:meth:`StreamTable.after_end`).
 - A client connection that goes (or that the proxy ends) with calls in flight abandons them all; Triton's
   connection stays open until Triton has ended them, at most ``drain_timeout_s`` (past it, it is closed, and
   Triton cancels what is left). Meanwhile the proxy acknowledges Triton's SETTINGS and PINGs, as the client
@@ -23,7 +28,9 @@ A stream is still reset at Triton where it cannot be left to run: it waits for a
 its first message but for the last byte, and computes nothing), or a message of it is half forwarded (ending
 the stream there would be Triton's error, not the call's end) — and a message the proxy refuses, as before.
 What absorbing costs: a cancelled call's work is done anyway (Triton from 24.12 on can stop it:
-``--grpc-cancellations forward`` then passes cancellations on, as nginx does).
+``--grpc-cancellations forward`` then passes cancellations on, as nginx does), and a client sending deadlines has
+its header blocks re-encoded (grpcio indexes grpc-timeout's values: ~40 % more proxy CPU a call,
+``bench/grpc_deadlines.py``).
 """
 
 from __future__ import annotations
