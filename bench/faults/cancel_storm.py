@@ -212,7 +212,7 @@ def storm(args: argparse.Namespace, root: Path) -> Outcome:
     finally:
         if proxy is not None:
             proxy.stop()
-        triton.stop()
+        triton.kill()  # its process group: a Triton that died leaves its Python backend stubs running
     return Outcome(clients.outcomes, seconds, cancelled, died[0] if died else None, alive, crash_lines)
 
 
