@@ -189,8 +189,9 @@ class ClientConnection(asyncio.Protocol):
                 )
             self.transport.close()
         if self._orphaned is not None:
-            self._settle()
-        self._streams.end_all("closed")
+            self._settle()  # (its streams end there)
+        else:
+            self._streams.end_all("closed")
 
     # Backpressure: a full write buffer on one side pauses reading on the other. A client's full one pauses
     # reading the client too: what it sends may be answered by the proxy itself (refusals, window credits), and

@@ -81,7 +81,7 @@ class ControlFrames:
 
     def ack_ping(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:
         if not flags & http2.ACK:
-            self._to_client(http2.frame(http2.PING, http2.ACK, 0, data[pos + http2.HEADER_SIZE : stop]))
+            self._to_client(http2.ping_ack(data[pos + http2.HEADER_SIZE : stop]))
         return None
 
     def on_window_update(self, data: bytes, pos: int, stop: int, flags: int, stream_id: int) -> bytes | None:

@@ -118,7 +118,7 @@ class StreamTable:
         boundary = self.half_open.pop(stream_id, None)
         if boundary is None:
             return b""
-        return http2.frame(http2.DATA, http2.END_STREAM, stream_id, b"") if boundary else None
+        return http2.end_stream(stream_id) if boundary else None
 
     def open_count(self) -> int:
         """Streams Triton runs for this connection: forwarded, and abandoned ones."""
@@ -144,7 +144,7 @@ class StreamTable:
         elif _at_boundary(stream):
             # Between messages: the request side ends here, as if the client had ended it (Triton answers what it
             # has, then ends the stream).
-            instead = http2.frame(http2.DATA, http2.END_STREAM, stream_id, b"")
+            instead = http2.end_stream(stream_id)
         else:
             return None
         stream.client_done = True  # (by the proxy, if not by the client)

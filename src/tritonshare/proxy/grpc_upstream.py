@@ -338,7 +338,7 @@ class UpstreamConnection(asyncio.Protocol):
         """A held frame is complete: what of it (and of frames held before it) goes to the client."""
         _, kind, flags, _ = http2.parse_header(frame, 0)
         if kind == http2.PING:  # (orphaned: acknowledged here)
-            self.send(http2.frame(http2.PING, http2.ACK, 0, frame[http2.HEADER_SIZE :]))
+            self.send(http2.ping_ack(frame[http2.HEADER_SIZE :]))
             return []
         if kind == http2.GOAWAY:
             return [self._clamp_goaway(frame)]

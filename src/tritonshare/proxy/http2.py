@@ -77,6 +77,16 @@ def rst_stream(stream_id: int, error_code: int) -> bytes:
     return frame(RST_STREAM, 0, stream_id, U32.pack(error_code))
 
 
+def end_stream(stream_id: int) -> bytes:
+    """An empty DATA frame ending the sender's side of a stream."""
+    return frame(DATA, END_STREAM, stream_id)
+
+
+def ping_ack(payload: bytes) -> bytes:
+    """The answer to a PING (its 8 opaque bytes, echoed)."""
+    return frame(PING, ACK, 0, payload)
+
+
 def window_update(stream_id: int, increment: int) -> bytes:
     """WINDOW_UPDATE frames for ``increment`` bytes (split when it exceeds the 31-bit maximum)."""
     out = []
