@@ -15,9 +15,10 @@ deadline ends it mid-flight, for ``--seconds``. The target (``--target``), each 
 
 Figures: the calls by outcome (OK, DEADLINE_EXCEEDED, other), the proxy's own count of calls its clients gave up
 (``cancelled``), whether Triton was alive at the end (its process, ``/v2/health/live``) and the crash lines in its
-log, and when it died if it did. The bar (``absorb``): Triton alive with no crash line, and no outcome but OK,
-DEADLINE_EXCEEDED, and UNAVAILABLE from the proxy's REFUSED_STREAM (a connection at ``--grpc-max-streams``, calls
-its client gave up still running at Triton among them). ``direct`` and ``forward`` report what they report (exit
+log, and when it died if it did, and how many of 100 calls made once the storm is over were answered. The bar
+(``absorb``): Triton alive with no crash line, no outcome but OK, DEADLINE_EXCEEDED, and UNAVAILABLE from the
+proxy's REFUSED_STREAM (a connection at ``--grpc-max-streams``, calls its client gave up still running at Triton
+among them), and all 100 calls after the storm answered. ``direct`` and ``forward`` report what they report (exit
 0): they are the reference.
 
 Run from the repository root (the proxy from the source tree; with ``PYTHONPATH=.build/compiled``, compiled)::
@@ -50,6 +51,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonshare.proxy.policy import GRPC_SERVICE
 
 MODEL = "storm"
+AFTER_CALLS = 100  # calls made once the storm is over
 CRASH = re.compile(r"Signal \(11\)|Segmentation fault|SIGSEGV|pthread_mutex_lock")
 
 
@@ -151,6 +153,22 @@ def watch(triton: TritonServer, storm: Storm, started: float, died: list[float])
         time.sleep(0.5)
 
 
+def served_after(address: str, body: bytes, calls: int = AFTER_CALLS) -> int:
+    """Calls without a tight deadline once the storm is over, one after another: how many were answered OK. Calls
+    given up but still holding their places (admission, ``--grpc-max-streams``) after Triton ended them would
+    show here as refusals."""
+    answered = 0
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(f"/{GRPC_SERVICE}/ModelInfer")
+        for _ in range(calls):
+            try:
+                call(body, timeout=10.0)
+                answered += 1
+            except grpc.RpcError:
+                pass
+    return answered
+
+
 def cancelled_by_clients(proxy: ProxyProcess) -> int:
     with urllib.request.urlopen(f"http://127.0.0.1:{proxy.metrics_port}/metrics", timeout=5) as response:
         page = response.read().decode()
@@ -170,6 +188,7 @@ class Outcome:
     died_after: float | None  # when Triton was found gone, into the storm
     alive: bool  # Triton, at the end
     crash_lines: list[str]  # what Triton logged as it died (its backtrace)
+    served: int  # of AFTER_CALLS calls once the storm was over, how many were answered OK
 
     @property
     def unexpected(self) -> dict[str, int]:
@@ -179,7 +198,7 @@ class Outcome:
 
     @property
     def passed(self) -> bool:
-        return self.alive and not self.crash_lines and not self.unexpected
+        return self.alive and not self.crash_lines and not self.unexpected and self.served == AFTER_CALLS
 
 
 def storm(args: argparse.Namespace, root: Path) -> Outcome:
@@ -205,6 +224,7 @@ def storm(args: argparse.Namespace, root: Path) -> Outcome:
         alive = not died and triton_alive(triton)
         clients.stopped.set()
         watcher.join()
+        served = served_after(address, request_bytes()) if alive else 0
         cancelled = cancelled_by_clients(proxy) if proxy is not None and proxy.process else None
         log = triton.log_path.read_text(errors="replace").splitlines()
         crashes = [n for n, line in enumerate(log) if CRASH.search(line)]
@@ -213,7 +233,7 @@ def storm(args: argparse.Namespace, root: Path) -> Outcome:
         if proxy is not None:
             proxy.stop()
         triton.kill()  # its process group: a Triton that died leaves its Python backend stubs running
-    return Outcome(clients.outcomes, seconds, cancelled, died[0] if died else None, alive, crash_lines)
+    return Outcome(clients.outcomes, seconds, cancelled, died[0] if died else None, alive, crash_lines, served)
 
 
 def main() -> int:
@@ -231,6 +251,7 @@ def main() -> int:
         print(f"the proxy's count of calls its clients gave up (run on at Triton, or cancelled there): {gave_up}")
     gone = f" (gone {outcome.died_after:.1f} s into the storm)" if outcome.died_after is not None else ""
     print(f"Triton: {'alive' if outcome.alive else 'DEAD'}{gone}")
+    print(f"after the storm: {outcome.served} of {AFTER_CALLS} calls (10 s deadline) answered OK")
     for line in outcome.crash_lines:
         print(f"  triton.log: {line.strip()[:160]}")
     if args.target != "absorb":
