@@ -18,8 +18,8 @@ def test_a_storm_of_calls_given_up_leaves_triton_up(tmp_path: Path) -> None:
     assert outcome.alive and not outcome.crash_lines, outcome.crash_lines
     assert not outcome.unexpected, outcome.outcomes
     past_deadline = sum(n for kind, n in outcome.outcomes.items() if kind.endswith("DEADLINE_EXCEEDED"))
-    assert past_deadline >= 1000, outcome.outcomes  # the storm was one: thousands of calls given up
-    assert outcome.cancelled is not None and outcome.cancelled >= 500, outcome.cancelled  # many while at Triton
+    assert past_deadline >= 500, outcome.outcomes  # the storm was one: hundreds of calls given up, at least
+    assert outcome.cancelled is not None and outcome.cancelled >= 200, outcome.cancelled  # many while at Triton
     # it kept serving: calls within their deadline were answered during the storm (how many depends on the machine:
     # 341 on CI's, thousands on a faster one), and every call after it was (no place left held by a call given up)
     assert sum(n for kind, n in outcome.outcomes.items() if kind.endswith("OK")) >= 50, outcome.outcomes
