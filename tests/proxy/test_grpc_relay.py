@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
 from tests.proxy.wire import client_streams
+from tests.support.build import running_compiled
 from tritonshare.proxy import http2
 from tritonshare.proxy.grpc import GrpcFrontend
 from tritonshare.proxy.grpc_connection import ClientConnection
@@ -242,14 +243,15 @@ def test_a_stream_repeating_its_messages_shape_is_judged_on_every_message(other:
     assert asyncio.run(relay([reads[0], b"".join(reads[1:])]))[:2] == (to_triton, to_client)
 
 
-def unary(*calls: tuple[int, str, str], grpcio: bool = False) -> list[bytes]:
+def unary(*calls: tuple[int, str, str], grpcio: bool = False, extra: tuple[tuple[str, str], ...] = ()) -> list[bytes]:
     """Unary calls ``(stream id, method, model)``, each whole in one read, the model's tensor of other bytes each
-    time, after the preface in a read of its own: HEADERS then DATA as h2load sends them, or (``grpcio``) with the
-    stream's WINDOW_UPDATE between them and the connection's after them, as grpcio does."""
+    time, after the preface in a read of its own: HEADERS (with the ``extra`` fields) then DATA as h2load sends
+    them, or (``grpcio``) with the stream's WINDOW_UPDATE between them and the connection's after them, as grpcio
+    does."""
     client = Client()
     before, after = (b"", b"") if not grpcio else (http2.window_update(0, 100), http2.window_update(0, 100))
     reads = [
-        client.headers(sid, method)
+        client.headers(sid, method, *extra)
         + (http2.window_update(sid, 5) if grpcio else b"")
         + data(sid, message(model, bytes([sid]) * 64))
         + after
@@ -301,6 +303,33 @@ def test_unary_calls_repeating_the_last_ones_bytes_are_judged_on_every_call(
     to_client = asyncio.run(relay(again))[1]
     assert frames(to_client)[-1][0] == http2.GOAWAY and to_client[-4:] == http2.PROTOCOL_ERROR.to_bytes(4, "big")
     assert asyncio.run(relay([again[0], b"".join(again[1:])]))[1] == to_client
+
+
+@pytest.mark.parametrize("grpcio", [False, True])
+@pytest.mark.parametrize("field", ["grpc-timeout", "x-triton-key"])  # a deadline (absorbed), a header stripped
+def test_unary_calls_with_headers_not_passed_on_take_the_short_path_reencoded(
+    field: str, grpcio: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call whose header block is re-encoded for Triton (a field taken out: the deadline the proxy absorbs, a
+    header configured to be stripped) repeats as any other: from the third call on it takes the short path, and
+    Triton gets each call's block re-encoded without the field, its other frames as they came; another model's
+    name is still refused; the same bytes in one read, judged by the full path, give Triton and the client the
+    same."""
+    calls = [(1, "ModelInfer", "own"), (3, "ModelInfer", "own"), (5, "ModelInfer", "own"), (7, "ModelInfer", "owx")]
+    calls += [(9, "ModelInfer", "own"), (11, "ModelInfer", "own")]
+    reads = unary(*calls, grpcio=grpcio, extra=((field, "50m"),))
+    taken = short_path(monkeypatch)
+    to_triton, to_client, _ = asyncio.run(relay(reads, strip_headers=("X-Triton-Key",)))
+    if not running_compiled():  # (compiled code calls the method directly: no spy sees it)
+        assert taken == [True, False, True, True]  # 5, (7: another model), 9, 11
+    streams = client_streams(to_triton)
+    assert sorted(streams) == [1, 3, 5, 7, 9, 11]
+    for sid in (1, 3, 5, 9, 11):
+        assert streams[sid].headers[":path"].endswith("/ModelInfer") and field not in streams[sid].headers
+        assert bytes(streams[sid].data) == message("own", bytes([sid]) * 64) and streams[sid].end_stream
+    assert streams[7].reset_code == http2.CANCEL and not streams[7].data
+    in_one_read = asyncio.run(relay([reads[0], b"".join(reads[1:])], strip_headers=("X-Triton-Key",)))
+    assert in_one_read[:2] == (to_triton, to_client)
 
 
 @pytest.mark.parametrize("grpcio", [False, True])

@@ -321,7 +321,8 @@ class ClientConnection(asyncio.Protocol):
         frame (grpcio sends the connection's WINDOW_UPDATE with some calls only): when it is the same bytes up to the
         end of what judged its message but for a new stream's id (the same in every frame of the stream), and the
         same after its DATA frame or nothing there, the stream opens as the HEADERS handler opens it for that block
-        (:meth:`ClientHeaders.open_again`), the stream's WINDOW_UPDATE frames pass as their handler passes them (a
+        (:meth:`ClientHeaders.open_again`; its HEADERS frame re-encoded when the connection's blocks are:
+        :meth:`ClientHeaders.reencoded`), the stream's WINDOW_UPDATE frames pass as their handler passes them (a
         stream Triton knows), its DATA as the DATA handler passes it (the same judge, on a new stream judged frame by
         frame: :meth:`MessageJudge.repeatable`) and the connection's WINDOW_UPDATE frames as they came while the
         proxy owes the client no window (else their handler takes its debt off). False, nothing done, otherwise."""
@@ -335,6 +336,10 @@ class ClientConnection(asyncio.Protocol):
         if stream is None:
             return False
         stream.client_done = True  # (its DATA frame ends it)
+        head = self._headers.reencoded(stream_id, block)
+        if head is not None:  # Triton gets the block re-encoded (headers stripped), the frames after it as they came
+            data = head + data[fragment_end:]
+            split += len(head) - fragment_end
         if stream.judge is not judge or stream.inspector is not None or stream.ticket is not None:
             self._to_upstream(data[:split])  # (never, as remembered: the DATA frame is judged in full)
             self._relay_frames(data, split)

@@ -139,12 +139,17 @@ class ClientHeaders:
 
     def open_again(self, stream_id: int, fragment: bytes, block: HeaderBlock) -> Stream | None:
         """A plain HEADERS frame (END_HEADERS, no END_STREAM) of ``fragment`` on ``stream_id``, where ``block`` is
-        the last block forwarded: the stream opened as :meth:`on_headers` opens it when the block repeats that one
-        and nothing is re-encoded, else None (nothing done, the frame is for :meth:`on_headers`). The bytes are
-        ``block``'s while the decoder knows them as it (its table unchanged since)."""
-        if self._reencode or self._known.get(fragment) is not block:
+        the last block forwarded: the stream opened as :meth:`on_headers` opens it when the block repeats that one,
+        else None (nothing done, the frame is for :meth:`on_headers`). The bytes are ``block``'s while the decoder
+        knows them as it (its table unchanged since). What goes to Triton for the frame: :meth:`reencoded`."""
+        if self._known.get(fragment) is not block:
             return None
         return self._reopen(stream_id, block)
+
+    def reencoded(self, stream_id: int, block: HeaderBlock) -> bytes | None:
+        """What Triton gets for a plain HEADERS frame of ``block`` opening ``stream_id`` (as :meth:`on_headers`
+        sends it): None for the client's frame as it came, else the block re-encoded."""
+        return self._plain_frames(stream_id, http2.END_HEADERS, block) if self._reencode else None
 
     def _reopen(self, stream_id: int, block: HeaderBlock) -> Stream | None:
         """A new stream of ``block`` opened as the last block forwarded opened one, without judging it again: when
@@ -165,9 +170,9 @@ class ClientHeaders:
 
     def repeatable(self, fragment: bytes, stream: Stream) -> HeaderBlock | None:
         """The block of ``fragment`` when :meth:`open_again` would open a stream of it as ``stream`` was opened:
-        it is the last block forwarded, with ``stream``'s rule, and blocks are forwarded as they are."""
+        it is the last block forwarded, with ``stream``'s rule."""
         forwarded = self._forwarded
-        if forwarded is None or forwarded[1] is not stream.rule or self._reencode:
+        if forwarded is None or forwarded[1] is not stream.rule:
             return None
         block = self._known.get(fragment)
         return block if block is forwarded[0] else None
