@@ -333,6 +333,35 @@ def test_unary_calls_with_headers_not_passed_on_take_the_short_path_reencoded(
 
 
 @pytest.mark.parametrize("grpcio", [False, True])
+@pytest.mark.parametrize("slots", [64, 2])  # every call admitted at once; calls past the second waiting
+def test_unary_calls_under_admission_control_take_the_short_path(
+    slots: int, grpcio: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``--max-inflight``, a call repeating the last one's bytes takes the short path too: admitted at once, it
+    goes to Triton as it came; waiting for a slot (Triton here never answers, so the first two calls keep theirs),
+    its HEADERS go on and its message but for the last byte, the rest held, as on the full path; another model's name
+    is refused either way. The same bytes in one read, judged by the full path, give Triton and the client the
+    same."""
+    calls = [(1, "ModelInfer", "own"), (3, "ModelInfer", "own"), (5, "ModelInfer", "own"), (7, "ModelInfer", "owx")]
+    calls += [(9, "ModelInfer", "own"), (11, "ModelInfer", "own")]
+    reads = unary(*calls, grpcio=grpcio)
+    taken = short_path(monkeypatch)
+    to_triton, to_client, state = asyncio.run(relay(reads, max_inflight=slots))
+    if not running_compiled():  # (compiled code calls the method directly: no spy sees it)
+        assert taken == [True, False, True, True]  # 5, (7: another model), 9, 11
+    streams = client_streams(to_triton)
+    assert sorted(streams) == [1, 3, 5, 7, 9, 11]
+    for sid in (1, 3, 5, 9, 11):
+        sent = message("own", bytes([sid]) * 64)
+        admitted = slots > 2 or sid in (1, 3)
+        assert bytes(streams[sid].data) == (sent if admitted else sent[:-1])
+        assert streams[sid].end_stream is admitted
+    assert state.admission.held_bytes == (0 if slots > 2 else 3)  # each waiting call's last byte (5, 9, 11)
+    in_one_read = asyncio.run(relay([reads[0], b"".join(reads[1:])], max_inflight=slots))
+    assert in_one_read[:2] == (to_triton, to_client)
+
+
+@pytest.mark.parametrize("grpcio", [False, True])
 @pytest.mark.parametrize("even", [2, 8])  # a first stream (the full path); a repeat of the last call (short paths)
 def test_a_stream_with_an_even_id_ends_the_connection(even: int, grpcio: bool) -> None:
     """Client streams have odd ids (RFC 9113 §5.1.1): an even one is a protocol error of the connection, never passed

@@ -324,8 +324,9 @@ class ClientConnection(asyncio.Protocol):
         (:meth:`ClientHeaders.open_again`; its HEADERS frame re-encoded when the connection's blocks are:
         :meth:`ClientHeaders.reencoded`), the stream's WINDOW_UPDATE frames pass as their handler passes them (a
         stream Triton knows), its DATA as the DATA handler passes it (the same judge, on a new stream judged frame by
-        frame: :meth:`MessageJudge.repeatable`) and the connection's WINDOW_UPDATE frames as they came while the
-        proxy owes the client no window (else their handler takes its debt off). False, nothing done, otherwise."""
+        frame and given its admission slot at once: :meth:`MessageJudge.repeatable`; else that handler takes the rest
+        of the read) and the connection's WINDOW_UPDATE frames as they came while the proxy owes the client no window
+        (else their handler takes its debt off). False, nothing done, otherwise."""
         _, stop, parts, fragment_end, split, decided, tail, block, judge = call
         if data[:decided] != data[5:_HEADER_SIZE].join(parts) or self._handlers is not self._frame_handlers:
             return False
@@ -341,7 +342,8 @@ class ClientConnection(asyncio.Protocol):
             data = head + data[fragment_end:]
             split += len(head) - fragment_end
         if stream.judge is not judge or stream.inspector is not None or stream.ticket is not None:
-            self._to_upstream(data[:split])  # (never, as remembered: the DATA frame is judged in full)
+            # (a call waiting for an admission slot: its DATA frame is followed by an inspector, and held)
+            self._to_upstream(data[:split])
             self._relay_frames(data, split)
         elif self._upstream is not None:
             self._upstream.send(data)
@@ -353,7 +355,7 @@ class ClientConnection(asyncio.Protocol):
         WINDOW_UPDATE frames (as grpc clients send a unary call), it is remembered for :meth:`_calls_again` if a
         repeat of its bytes would be judged alike."""
         self._call = None
-        if pos <= _HEADER_SIZE or self._preface_left or self._gate is not None or stream.judge is None:
+        if pos <= _HEADER_SIZE or self._preface_left or stream.judge is None:
             return
         length, kind, flags, _ = http2.parse_header(data, 0)
         if kind != http2.HEADERS or flags != http2.END_HEADERS:
