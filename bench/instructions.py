@@ -328,7 +328,7 @@ def main() -> int:
         print(f"\n| protocol (c={c}) | tritonshare | " + " | ".join(names) + " |\n|---|---:|" + "---:|" * len(names))
         for protocol in ("rest", "grpc", "stream"):
             plain = rows["tritonshare", protocol]
-            cells = [f"{rows[name, protocol]:,.0f} (+{rows[name, protocol] - plain:,.0f})" for name in names]
+            cells = [f"{rows[name, protocol]:,.0f} ({rows[name, protocol] - plain:+,.0f})" for name in names]
             print(f"| {protocol} | {plain:,.0f} | " + " | ".join(cells) + " |")
     return 0
 
