@@ -1,9 +1,10 @@
 """What a client's gRPC deadline costs the proxy: CPU µs per unary call with and without one.
 
 With cancellations absorbed (``--grpc-cancellations absorb``, the default; proxy/grpc_abandon.py) the proxy does not
-pass ``grpc-timeout`` on to Triton, whose gRPC server would cancel the call at the deadline. grpcio sends the time
-left, a new value every call, so each header block is new to the proxy: decoded, judged and re-encoded without the
-header, where a call without a deadline repeats the last block's bytes and takes the short path. One real Triton
+pass ``grpc-timeout`` on to Triton, whose gRPC server would cancel the call at the deadline: the connection's header
+blocks are re-encoded without it. grpcio sends the time left rounded, indexed in HPACK's table, so most calls repeat
+the last block's bytes and take the short path (re-encoded); now and then a new value changes the table, and that
+call and the next one or two are new blocks to the proxy: decoded, judged and re-encoded. One real Triton
 (the shared yardstick's identity model) and one proxy (``bench/target.py``: ``.venv-opt``, compiled); a grpcio client
 makes ``--calls`` ModelInfer calls one after another without a deadline, then as many with one (``--deadline-s``),
 ``--rounds`` times; the proxy's CPU time (user + system, /proc) over each batch, divided by the calls.
