@@ -34,6 +34,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.answers import CUT
 from bench.faults.node import Node, start_triton
 from prometheus_client.parser import text_string_to_metric_families
 from tests.support.children import vm_kib
@@ -214,7 +215,7 @@ def soak(triton: TritonServer, proxy: ProxyProcess, args: argparse.Namespace, lu
     # h2load -D ends a round by closing its connections: the calls then in flight count as "cancelled" (the client
     # went away; they run to their end at Triton: proxy/grpc_abandon.py), or "closed" with --grpc-cancellations
     # forward, at most one per connection per round; Triton completes them (its count is checked).
-    left = ("grpc cancelled", "grpc closed")
+    left = tuple(f"{protocol} {code}" for protocol, code in sorted(CUT) if protocol == "grpc")
     cut = sum(codes.get(code, 0) for code in left)
     bad_codes = {code: n for code, n in codes.items() if code not in ("rest 200", "grpc ok", *left)}
     if cut > tally.rounds * (args.connections // 2):
