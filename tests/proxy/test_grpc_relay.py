@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
 from tests.proxy.wire import client_streams
-from tests.support.build import running_compiled
 from tritonshare.proxy import http2
 from tritonshare.proxy.grpc import GrpcFrontend
 from tritonshare.proxy.grpc_connection import ClientConnection
@@ -305,23 +304,20 @@ def test_unary_calls_repeating_the_last_ones_bytes_are_judged_on_every_call(
     assert asyncio.run(relay([again[0], b"".join(again[1:])]))[1] == to_client
 
 
+# Unary calls whose repeats take the short path from the third on (5, 9, 11), but for one naming another model (7).
+REPEATED = [(1, "ModelInfer", "own"), (3, "ModelInfer", "own"), (5, "ModelInfer", "own"), (7, "ModelInfer", "owx")]
+REPEATED += [(9, "ModelInfer", "own"), (11, "ModelInfer", "own")]
+
+
 @pytest.mark.parametrize("grpcio", [False, True])
 @pytest.mark.parametrize("field", ["grpc-timeout", "x-triton-key"])  # a deadline (absorbed), a header stripped
-def test_unary_calls_with_headers_not_passed_on_take_the_short_path_reencoded(
-    field: str, grpcio: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_repeated_unary_calls_reencoded_for_triton_go_as_the_full_path_sends_them(field: str, grpcio: bool) -> None:
     """A call whose header block is re-encoded for Triton (a field taken out: the deadline the proxy absorbs, a
-    header configured to be stripped) repeats as any other: from the third call on it takes the short path, and
-    Triton gets each call's block re-encoded without the field, its other frames as they came; another model's
-    name is still refused; the same bytes in one read, judged by the full path, give Triton and the client the
-    same."""
-    calls = [(1, "ModelInfer", "own"), (3, "ModelInfer", "own"), (5, "ModelInfer", "own"), (7, "ModelInfer", "owx")]
-    calls += [(9, "ModelInfer", "own"), (11, "ModelInfer", "own")]
-    reads = unary(*calls, grpcio=grpcio, extra=((field, "50m"),))
-    taken = short_path(monkeypatch)
+    header configured to be stripped) repeats as any other: Triton gets each call's block re-encoded without the
+    field, its other frames as they came; another model's name is still refused; the same bytes in one read,
+    judged by the full path, give Triton and the client the same (that the short path is taken: below)."""
+    reads = unary(*REPEATED, grpcio=grpcio, extra=((field, "50m"),))
     to_triton, to_client, _ = asyncio.run(relay(reads, strip_headers=("X-Triton-Key",)))
-    if not running_compiled():  # (compiled code calls the method directly: no spy sees it)
-        assert taken == [True, False, True, True]  # 5, (7: another model), 9, 11
     streams = client_streams(to_triton)
     assert sorted(streams) == [1, 3, 5, 7, 9, 11]
     for sid in (1, 3, 5, 9, 11):
@@ -334,21 +330,13 @@ def test_unary_calls_with_headers_not_passed_on_take_the_short_path_reencoded(
 
 @pytest.mark.parametrize("grpcio", [False, True])
 @pytest.mark.parametrize("slots", [64, 2])  # every call admitted at once; calls past the second waiting
-def test_unary_calls_under_admission_control_take_the_short_path(
-    slots: int, grpcio: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With ``--max-inflight``, a call repeating the last one's bytes takes the short path too: admitted at once, it
-    goes to Triton as it came; waiting for a slot (Triton here never answers, so the first two calls keep theirs),
-    its HEADERS go on and its message but for the last byte, the rest held, as on the full path; another model's name
-    is refused either way. The same bytes in one read, judged by the full path, give Triton and the client the
-    same."""
-    calls = [(1, "ModelInfer", "own"), (3, "ModelInfer", "own"), (5, "ModelInfer", "own"), (7, "ModelInfer", "owx")]
-    calls += [(9, "ModelInfer", "own"), (11, "ModelInfer", "own")]
-    reads = unary(*calls, grpcio=grpcio)
-    taken = short_path(monkeypatch)
+def test_repeated_unary_calls_under_admission_control_go_as_the_full_path_sends_them(slots: int, grpcio: bool) -> None:
+    """With ``--max-inflight``, a call repeating the last one's bytes, admitted at once, goes to Triton as it came;
+    waiting for a slot (Triton here never answers, so the first two calls keep theirs), its HEADERS go on and its
+    message but for the last byte, the rest held; another model's name is refused either way. The same bytes in
+    one read, judged by the full path, give Triton and the client the same (that the short path is taken: below)."""
+    reads = unary(*REPEATED, grpcio=grpcio)
     to_triton, to_client, state = asyncio.run(relay(reads, max_inflight=slots))
-    if not running_compiled():  # (compiled code calls the method directly: no spy sees it)
-        assert taken == [True, False, True, True]  # 5, (7: another model), 9, 11
     streams = client_streams(to_triton)
     assert sorted(streams) == [1, 3, 5, 7, 9, 11]
     for sid in (1, 3, 5, 9, 11):
@@ -359,6 +347,28 @@ def test_unary_calls_under_admission_control_take_the_short_path(
     assert state.admission.held_bytes == (0 if slots > 2 else 3)  # each waiting call's last byte (5, 9, 11)
     in_one_read = asyncio.run(relay([reads[0], b"".join(reads[1:])], max_inflight=slots))
     assert in_one_read[:2] == (to_triton, to_client)
+
+
+@pytest.mark.interpreted
+@pytest.mark.parametrize("grpcio", [False, True])
+@pytest.mark.parametrize(
+    ("extra", "settings"),
+    [
+        ((("grpc-timeout", "50m"),), {}),  # a deadline absorbed: blocks re-encoded
+        ((("x-triton-key", "k"),), {"strip_headers": ("X-Triton-Key",)}),
+        ((), {"max_inflight": 64}),  # admitted at once
+        ((), {"max_inflight": 2}),  # 5, 9 and 11 wait for a slot
+    ],
+    ids=["deadline", "stripped", "admitted", "waiting"],
+)
+def test_repeated_unary_calls_take_the_short_path_when_blocks_are_reencoded_or_admitted(
+    extra: tuple[tuple[str, str], ...], settings: dict[str, object], grpcio: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The two tests above, with a spy on the short path: it is taken from the third call on, but for the call
+    naming another model."""
+    taken = short_path(monkeypatch)
+    asyncio.run(relay(unary(*REPEATED, grpcio=grpcio, extra=extra), **settings))
+    assert taken == [True, False, True, True]  # 5, (7: another model), 9, 11
 
 
 @pytest.mark.parametrize("grpcio", [False, True])
