@@ -3,6 +3,13 @@ HTTP store."""
 
 from __future__ import annotations
 
+import os
+
+# Child processes start with a preexec_fn (children.die_with_parent), so subprocess forks and runs Python in the
+# child before exec: grpcio's fork handlers then run there too, and once aborted a proxy before its exec (CI, 28 Nov:
+# "epoll_wait error: Bad file descriptor", exit -6). No test forks to use gRPC in the child: off, before grpc loads.
+os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
+
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
