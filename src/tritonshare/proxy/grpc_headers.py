@@ -126,7 +126,7 @@ class ClientHeaders:
             if self._reopen(stream_id, block) is not None:  # a new stream opened as the last one was: forwarded
                 if flags & http2.END_STREAM:  # (gRPC calls end with DATA: rare)
                     self._streams.client_ended(stream_id)
-                return self._plain_frames(stream_id, flags, block) if self._reencode else None
+                return self.reencoded(stream_id, block, flags)
             return self._on_header_block(stream_id, flags, block)
         self._measure(stop - pos)
         if not flags & http2.END_HEADERS:  # a header block in several frames: its CONTINUATIONs come next
@@ -146,10 +146,10 @@ class ClientHeaders:
             return None
         return self._reopen(stream_id, block)
 
-    def reencoded(self, stream_id: int, block: HeaderBlock) -> bytes | None:
-        """What Triton gets for a plain HEADERS frame of ``block`` opening ``stream_id`` (as :meth:`on_headers`
-        sends it): None for the client's frame as it came, else the block re-encoded."""
-        return self._plain_frames(stream_id, http2.END_HEADERS, block) if self._reencode else None
+    def reencoded(self, stream_id: int, block: HeaderBlock, flags: int = http2.END_HEADERS) -> bytes | None:
+        """What Triton gets for the header block ``block`` of ``stream_id`` that goes on (``flags``: its HEADERS
+        frame's): None for the client's frames as they came, else the block re-encoded."""
+        return self._plain_frames(stream_id, flags, block) if self._reencode else None
 
     def _reopen(self, stream_id: int, block: HeaderBlock) -> Stream | None:
         """A new stream of ``block`` opened as the last block forwarded opened one, without judging it again: when
@@ -239,9 +239,7 @@ class ClientHeaders:
                 return b""
         if flags & http2.END_STREAM:  # (gRPC calls end with DATA: rare)
             self._streams.client_ended(stream_id)
-        if not self._reencode:
-            return None
-        return self._plain_frames(stream_id, flags, block)
+        return self.reencoded(stream_id, block, flags)
 
     def _plain_frames(self, stream_id: int, flags: int, block: HeaderBlock) -> bytes:
         """The block re-encoded without the dynamic table (and without stripped headers)."""
