@@ -7,6 +7,7 @@ Each test walks every build (overlays, and components on their base) that holds 
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -52,7 +53,9 @@ from tritonshare.cli import main as cli
 def test_triton_runs_in_poll_mode_with_tenant_safe_flags(builds: dict[str, Build]) -> None:
     for name, daemonset in tritons(builds):
         triton = triton_container(daemonset)
-        assert triton.spec["command"] == ["tritonserver"], f"{name}: {triton.where} command"
+        command = triton.spec["command"]
+        assert command[:2] == ["sh", "-c"] and command[3:] == ["tritonserver"], f"{name}: {triton.where} command"
+        assert command[2].endswith('; exec tritonserver "$@"'), f"{name}: the shell must exec Triton with its args"
         f = flags(triton.spec["args"])
         assert f.get("model-control-mode") == "poll", f"{name}: Triton must run in POLL mode"
         assert 0 < int(f.get("repository-poll-secs", "15")) <= 5, f"{name}: --repository-poll-secs must be short"
@@ -67,13 +70,52 @@ def test_triton_flags_exist_in_the_real_tritonserver(builds: dict[str, Build], t
     if not triton_available():
         pytest.fail(f"no Triton venv at {triton_venv()} — run scripts/setup.sh first")
     cmd, env = TritonServer(repository=tmp_path, log_path=tmp_path / "log").command()
-    proc = subprocess.run([cmd[0], "--help"], env=env, capture_output=True, text=True, timeout=60, check=False)
+    env["PATH"] = f"{Path(cmd[0]).parent}:{env['PATH']}"
+    _, daemonset = next(tritons(builds))
+    start = start_command(triton_container(daemonset), tmp_path)  # the container's own command, run for real
+    proc = subprocess.run([*start, "--help"], env=env, capture_output=True, text=True, timeout=60, check=False)
     usage = proc.stdout + proc.stderr  # tritonserver prints its usage on stderr
     supported = set(re.findall(r"^\s+--([a-z0-9-]+)", usage, re.MULTILINE))
     assert "model-control-mode" in supported, usage[:500]
     for name, daemonset in tritons(builds):
         unknown = sorted(set(flags(triton_container(daemonset).spec["args"])) - supported)
         assert not unknown, f"{name}: tritonserver has no flags {unknown}"
+
+
+def start_command(triton: Container, shm: Path) -> list[str]:
+    """The Triton container's command, clearing ``shm`` instead of the pod's /dev/shm."""
+    command = list(triton.spec["command"])
+    assert command[2].count("/dev/shm/") == 1, f"{triton.where}: {command[2]!r} names /dev/shm once"
+    command[2] = command[2].replace("/dev/shm/", f"{shm}/")
+    return command
+
+
+def test_triton_start_removes_the_regions_of_an_earlier_run_and_nothing_else(
+    builds: dict[str, Build], tmp_path: Path
+) -> None:
+    """/dev/shm is the pod's: a Triton that crashed leaves its Python backend stubs' regions there, counted
+    against the pod's memory, restart after restart. The container's command removes them, then becomes
+    tritonserver (the same PID, so the kubelet's SIGTERM reaches Triton) with the manifest's arguments."""
+    shm, bin_dir = tmp_path / "shm", tmp_path / "bin"
+    shm.mkdir()
+    bin_dir.mkdir()
+    seen = tmp_path / "seen"
+    fake = bin_dir / "tritonserver"
+    fake.write_text(f'#!/bin/sh\necho $$ > {seen}.pid\nprintf "%s\\n" "$@" > {seen}\nexit 7\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    for name, daemonset in tritons(builds):
+        triton = triton_container(daemonset)
+        leftovers = [shm / f"triton_python_backend_shm_region_{n}" for n in ("0b2c", "9f1e")]
+        kept = [shm / "triton_python_backend_shm_region", shm / "other_tool_region", shm / "stub_region_0b2c"]
+        for path in (*leftovers, *kept):
+            path.write_bytes(b"\0" * 4096)
+        proc = subprocess.Popen([*start_command(triton, shm), *triton.spec["args"]], env=env)
+        assert proc.wait(timeout=30) == 7, f"{name}: Triton's exit status is not the container's"
+        assert int((tmp_path / "seen.pid").read_text()) == proc.pid, f"{name}: the shell stays Triton's parent"
+        assert seen.read_text().splitlines() == triton.spec["args"], f"{name}: Triton got other arguments"
+        assert [p.name for p in leftovers if p.exists()] == [], f"{name}: regions of an earlier run left"
+        assert all(p.exists() for p in kept), f"{name}: removed what is not a Python backend region"
 
 
 def test_triton_probes_ask_live_never_ready(builds: dict[str, Build]) -> None:
