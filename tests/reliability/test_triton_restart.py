@@ -136,6 +136,15 @@ def proxy(own_triton: TritonServer, tmp_path: Path) -> Iterator[ProxyProcess]:
     process.stop()
 
 
+def test_a_killed_triton_leaves_no_python_backend_regions_behind(own_triton: TritonServer) -> None:
+    """SIGKILLed, Triton's Python backend stubs leave their /dev/shm regions for good (hundreds in a run of the
+    suite); the servers of the tests are started with a prefix of their own for those regions, removed with them."""
+    regions = own_triton.regions()
+    assert regions, f"no region {own_triton.shm_prefix}* in /dev/shm: the prefix did not reach the Python backend"
+    own_triton.kill()
+    assert [r.name for r in regions if r.exists()] == []
+
+
 def test_the_proxy_answers_at_once_while_triton_is_away_and_serves_again_when_it_is_back(
     own_triton: TritonServer, proxy: ProxyProcess
 ) -> None:

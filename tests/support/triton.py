@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 import urllib.request
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from tests.support.children import die_with_parent, vm_kib
 from tests.support.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+SHM = Path("/dev/shm")
 
 
 def triton_venv() -> Path:
@@ -47,6 +49,9 @@ class TritonServer:
     metrics_port: int = field(default_factory=free_port)
     mode: str = "poll"
     process: subprocess.Popen[bytes] | None = None
+    # The names of this server's Python backend regions in /dev/shm (a Triton killed, or crashed, leaves its
+    # stubs' regions there for good, 1 MiB or more each: hundreds in a run of the suite, until removed)
+    shm_prefix: str = field(default_factory=lambda: f"tritonshare-test-{uuid.uuid4().hex[:12]}-")
 
     @property
     def url(self) -> str:
@@ -88,6 +93,7 @@ class TritonServer:
             "--allow-cpu-metrics=false",
             "--exit-on-error=false",
             "--log-verbose=0",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         if self.mode == "poll":
             cmd.append(f"--repository-poll-secs={self.poll_secs}")
@@ -125,7 +131,11 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+        elif self.process:  # Triton died under the test: its stubs may outlive it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
         self.process = None
+        self.remove_regions()
 
     def kill(self) -> None:
         """SIGKILL Triton and its Python backend stubs (its process group): for a server of the test's own, whose
@@ -136,6 +146,15 @@ class TritonServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
         self.process = None
+        self.remove_regions()
+
+    def regions(self) -> list[Path]:
+        """This server's Python backend regions in /dev/shm."""
+        return sorted(SHM.glob(f"{self.shm_prefix}*"))
+
+    def remove_regions(self) -> None:
+        for region in self.regions():
+            region.unlink(missing_ok=True)
 
     def log_tail(self, n: int = 40) -> str:
         try:
