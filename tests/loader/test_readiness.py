@@ -4,12 +4,13 @@ an earlier folder of the same name, a config Triton silently ignores, Triton dow
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.models import BROKEN_MODEL, IDENTITY_CONFIG, write_model
+from tests.support.models import BROKEN_MODEL, IDENTITY_CONFIG, SLOW_START_MODEL, write_model
 from tests.support.ports import free_port
 from tests.support.triton import TritonServer
 from tritonshare.common.errors import ExitCode, ReadinessTimeout, TritonLoadFailed, UsageError
@@ -101,6 +102,26 @@ def test_a_config_triton_cannot_parse_times_out_with_a_hint(
     take_out(layout, model_name)
 
 
+def test_a_load_held_up_by_another_models_slow_load_times_out_naming_that_model(
+    layout: NodeLayout, client: TritonClient, model_name: str
+) -> None:
+    """Each poll waits for every load it started (REFERENCE §2): a tenant whose initialize() takes long holds up
+    every other tenant's load on the node, and the one waiting must be told whose."""
+    slow = f"{model_name}-slow"
+    publish_model(layout, slow, model_py=SLOW_START_MODEL)
+    wait_for_state(client, slow, "LOADING")
+    publish_model(layout, model_name)
+    with pytest.raises(ReadinessTimeout) as e:
+        wait_polled(client, model_name, timeout_s=2)
+    assert e.value.exit_code == ExitCode.READINESS_TIMEOUT
+    assert f"Triton has not started loading it — Triton's polling waits for the load of {slow} (LOADING)" in str(
+        e.value
+    )
+    wait_polled(client, model_name, timeout_s=60)  # the poll after the slow load takes it
+    for name in (model_name, slow):
+        take_out(layout, name)
+
+
 def test_a_model_missing_from_tritons_repository_times_out_naming_the_repository(
     client: TritonClient, model_name: str
 ) -> None:
@@ -144,7 +165,7 @@ class FakeTriton:
     def model_ready(self, name: str) -> bool:
         return False
 
-    def model_states(self, name: str) -> list[ModelState]:
+    def repository_index(self) -> list[ModelState]:
         return self.states
 
 
@@ -171,6 +192,24 @@ def test_unloaded_is_never_a_load_failure() -> None:
     fake, clock = FakeTriton([ModelState(name="m", version="1", state="UNAVAILABLE", reason="unloaded")]), FakeClock()
     waiter = PollWaiter(fake, "m", timeout_s=40, stale_grace_s=5, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
     with pytest.raises(ReadinessTimeout, match=r"not ready 40\.0 s after publishing: Triton has not started loading"):
+        waiter.wait()
+
+
+def test_the_loads_holding_up_polling_are_named_only_while_triton_has_not_started_on_the_model() -> None:
+    others = [ModelState(name=f"o{i}", version="1", state="LOADING", reason="") for i in range(5)]
+    ready = ModelState(name="r", version="1", state="READY", reason="")
+    clock = FakeClock()
+    for own, says in (
+        ([ModelState(name="m", version="", state="", reason="")], "waits for the load of o0, o1, o2 and 2 more (LOADING)"),
+        ([ModelState(name="m", version="1", state="LOADING", reason="")], "Triton is still LOADING it"),
+    ):
+        fake = FakeTriton([*others, ready, *own])
+        waiter = PollWaiter(fake, "m", timeout_s=1, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+        with pytest.raises(ReadinessTimeout, match=re.escape(says)):
+            waiter.wait()
+    fake = FakeTriton([ready, ModelState(name="m", version="", state="", reason="")])
+    waiter = PollWaiter(fake, "m", timeout_s=1, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+    with pytest.raises(ReadinessTimeout, match="its polling may be held up by another model's load, or config"):
         waiter.wait()
 
 

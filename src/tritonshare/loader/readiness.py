@@ -54,6 +54,17 @@ class Look:
     ready: bool = False
     states: tuple[ModelState, ...] = ()
     error: str = ""
+    others_loading: tuple[str, ...] = ()  # other models Triton is LOADING: a poll waits for every load it started
+
+    @property
+    def held_up(self) -> str:
+        """While Triton has not started on NAME, the other loads its polling waits for ("" if none)."""
+        if self.error or any(s.state for s in self.states) or not self.others_loading:
+            return ""
+        names = ", ".join(self.others_loading[:3])
+        if len(self.others_loading) > 3:
+            names += f" and {len(self.others_loading) - 3} more"
+        return f"Triton's polling waits for the load of {names} (LOADING), as each poll waits for every load it started"
 
     @property
     def loading(self) -> bool:
@@ -72,7 +83,9 @@ def look(client: TritonClient, name: str) -> Look:
     try:
         if client.model_ready(name):
             return Look(ready=True)
-        return Look(states=tuple(client.model_states(name)))
+        index = client.repository_index()
+        others = sorted({s.name for s in index if s.name != name and s.state == "LOADING"})
+        return Look(states=tuple(s for s in index if s.name == name), others_loading=tuple(others))
     except TritonUnavailable as exc:
         return Look(error=str(exc))
 
@@ -133,6 +146,11 @@ class PollWaiter:
             return f"{head}: Triton's index does not list it — is Triton's --model-repository this repository?"
         if seen.failure():
             return f"{head}: Triton still reports it UNAVAILABLE ({clip(seen.failure())}), maybe from an earlier load"
+        if seen.held_up:
+            return (
+                f"{head}: Triton has not started loading it — {seen.held_up}; raise --timeout-s to wait for it, "
+                "or ask the node's platform team about that model"
+            )
         return (
             f"{head}: Triton has not started loading it — its polling may be held up by another model's load, or "
             "config.pbtxt does not match Triton's ModelConfig schema (Triton's log then says 'Poll failed')"
@@ -142,6 +160,8 @@ class PollWaiter:
 def _state(seen: Look) -> str:
     if seen.error:
         return seen.error
+    if seen.held_up:
+        return seen.held_up
     return ", ".join(f"version {s.version or '-'} {s.state or 'not yet polled'}" for s in seen.states) or "not listed"
 
 
