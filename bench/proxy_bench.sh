@@ -31,12 +31,21 @@ th=$(port) tg=$(port) tm=$(port) nh=$(port) ng=$(port)
 pids=()
 cleanup() {
   local status=$?
+  # the Python backend's /dev/shm regions, named on its stubs' command lines: a Triton that died leaves them for good
+  local regions=() region
+  if [ -n "${triton:-}" ]; then
+    for p in $(pgrep -g "$triton" -f triton_python_backend_stub); do
+      region=$(tr '\0' '\n' <"/proc/$p/cmdline" 2>/dev/null | sed -n 3p) || true
+      if [ -n "$region" ]; then regions+=("/dev/shm/$region"); fi
+    done
+  fi
   [ -f "$run/nginx/nginx.pid" ] && kill -QUIT "$(cat "$run/nginx/nginx.pid")" 2>/dev/null || true
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   [ -n "${triton:-}" ] && kill -- "-$triton" 2>/dev/null || true
   sleep 0.5
   # Python backend stubs ignore SIGTERM and outlive a Triton that died: the group goes by SIGKILL
   [ -n "${triton:-}" ] && kill -9 -- "-$triton" 2>/dev/null || true
+  rm -f "${regions[@]}"
   if [ "$status" != 0 ]; then  # a failed run keeps Triton's and the proxies' logs, to tell why
     mkdir -p "$run.logs" && cp "$run"/*.log "$run.logs/" 2>/dev/null || true
     echo "proxy_bench.sh: logs kept in $run.logs" >&2
