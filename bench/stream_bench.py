@@ -164,6 +164,9 @@ class H2Stream(asyncio.Protocol):
     def open_stream(self) -> bytes:
         """Open the next stream; returns the DATA frame of one request on it."""
         assert self._transport is not None
+        if self._transport.is_closing():  # (before connection_lost says so)
+            self.gone = True
+            raise StreamBroken("connection lost (closed by the server)")
         self._stream_id += 2
         self._stream_window = self._initial_window
         self._message.clear()
