@@ -173,3 +173,57 @@ def test_documented_admission_policy_pins_what_a_node_folder_pod_runs() -> None:
     elsewhere["spec"]["volumes"] = [v for v in elsewhere["spec"]["volumes"] if "hostPath" not in v]
     elsewhere["spec"]["containers"][0].update(command=shell, image="busybox:1.37")
     assert refusals(policy, elsewhere, other_namespace) == [], "docs: the policy refuses pods without the folder"
+
+
+def test_documented_admission_policy_keeps_other_ways_to_the_folder_out_of_model_namespaces() -> None:
+    """Model namespaces run Pod Security at `privileged` (for the folder's hostPath), so a pod there that does
+    not mount the folder as spelled — a host path above it, below it or spelled otherwise, a privileged
+    container, the host's PID namespace — would reach it unchecked; outside them the folder is named, not
+    the host paths the platform's own agents mount (a node exporter's `/`)."""
+    policy = _node_folder_policy()
+    shell = {"name": "x", "image": "busybox:1.37", "command": ["sh", "-c", "rm -rf /host/*"]}
+
+    def pod(*, host_path: str | None = None, **spec: Any) -> Obj:
+        volumes = [{"name": "host", "hostPath": {"path": host_path}}] if host_path else []
+        return {"metadata": {"name": "p"}, "spec": {"containers": [copy.deepcopy(shell)], "volumes": volumes} | spec}
+
+    privileged = pod()
+    privileged["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+    sys_admin = pod()
+    sys_admin["spec"]["containers"][0]["securityContext"] = {"capabilities": {"add": ["SYS_ADMIN"]}}
+    privileged_init = pod(initContainers=[shell | {"securityContext": {"privileged": True}}])
+    debug = pod(ephemeralContainers=[shell | {"securityContext": {"capabilities": {"add": ["SYS_PTRACE"]}}}])
+    refused_in_model_namespace = {
+        "the host's root": pod(host_path="/"),
+        "a folder above the node folder": pod(host_path="/var/lib"),
+        "/proc (every process's root)": pod(host_path="/proc"),
+        "a privileged container": privileged,
+        "a privileged init container": privileged_init,
+        "a capability beyond baseline": sys_admin,
+        "a debug container with one": debug,
+        "the host's PID namespace": pod(hostPID=True),
+        "the host's network": pod(hostNetwork=True),
+    }
+    for what, attempt in refused_in_model_namespace.items():
+        assert refusals(policy, attempt, MODELS_NAMESPACE), f"docs: the policy admits {what} in a model namespace"
+    model = _pod(next(o for o in _documented_objects() if o["kind"] == "Deployment"))
+    for spelling in (
+        "/var/lib//tritonshare",
+        "/var/lib/./tritonshare",
+        "/var/lib/tritonshare/",
+        "/var/lib/tritonshare/models",
+    ):
+        respelled = copy.deepcopy(model)
+        for volume in respelled["spec"]["volumes"]:
+            if "hostPath" in volume:
+                volume["hostPath"]["path"] = spelling
+        assert refusals(policy, respelled, MODELS_NAMESPACE), f"docs: the policy admits the folder as {spelling}"
+        assert refusals(policy, pod(host_path=spelling), {"metadata": {"name": "other"}}), spelling
+    baseline = pod()
+    baseline["spec"]["containers"][0]["securityContext"] = {"capabilities": {"add": ["NET_BIND_SERVICE"]}}
+    assert refusals(policy, baseline, MODELS_NAMESPACE) == [], "docs: the policy refuses what baseline admits"
+    exporter = pod(host_path="/", hostPID=True, hostNetwork=True)
+    monitoring = {"metadata": {"name": "monitoring", "labels": {}}}
+    assert refusals(policy, exporter, monitoring) == [], (
+        "docs: the policy refuses a node exporter outside model namespaces"
+    )
