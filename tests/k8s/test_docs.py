@@ -73,6 +73,7 @@ def test_documented_deployment_keeps_the_model_pod_contract() -> None:
     assert "tritonshare.io/model" in pod_labels(deployment)
     assert proxy.spec["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "metrics"}
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+    assert deployment["spec"]["progressDeadlineSeconds"] >= 3600 + 600 + 60, "the loader's default deadlines"
     anti = pod_spec(deployment)["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert anti[0]["matchLabelKeys"] == ["tritonshare.io/model"]
     assert [v["hostPath"]["path"] for v in pod_spec(deployment)["volumes"] if "hostPath" in v] == [

@@ -451,3 +451,15 @@ def test_source_overlays(builds: dict[str, Build]) -> None:
     http, b = load("http")
     assert environment(http, b).values["TRITONSHARE_SOURCE"].startswith("https://")
     assert not environment(http, b).from_secrets
+
+
+def test_progress_deadline_outlasts_the_loaders_deadlines(
+    builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollout waits for each new pod's loader: past progressDeadlineSeconds (600 s by default) the
+    Deployment reports ProgressDeadlineExceeded and `kubectl rollout status` fails while a big model loads."""
+    for name, deployment in models(builds, overlays_only=True):
+        load = cli_params(container(deployment, "load"), builds[name], monkeypatch)
+        needed = load["download_timeout_s"] + load["timeout_s"]
+        deadline = deployment["spec"].get("progressDeadlineSeconds", 600)
+        assert deadline >= needed + 60, f"{name}: progressDeadlineSeconds {deadline} < the loader's {needed:g}s + 60s"
