@@ -112,6 +112,23 @@ def test_every_option_of_every_command_says_what_it_does_in_help() -> None:
     assert silent == []
 
 
+def test_every_argument_a_variable_can_give_names_it_in_help() -> None:
+    """click lists an option's variable, not an argument's: the command's own text must name it."""
+    arguments = [
+        (path, argument)
+        for path, command in _commands(main)
+        for argument in command.params
+        if isinstance(argument, click.Argument) and argument.envvar
+    ]
+    assert arguments, "no argument is read from a variable: `load SOURCE` (TRITONSHARE_SOURCE) was"
+    unnamed = [
+        f"{path} {argument.name}: {argument.envvar}"
+        for path, argument in arguments
+        if str(argument.envvar) not in CliRunner().invoke(main, [*path.split()[1:], "--help"]).output
+    ]
+    assert unnamed == []
+
+
 @pytest.fixture
 def gc_once(tmp_path: Path) -> list[str]:
     """`tritonshare gc --once` over empty node folders, Triton unreachable: a command that logs a line and ends."""

@@ -180,6 +180,8 @@ def main(log_format: str, log_level: str) -> None:
 def load(**params: Any) -> None:
     """Fetch SOURCE (s3://, gs://, http(s)://, file:// or a path), install it as NAME, wait until ready.
 
+    SOURCE, like every option, may come from the environment instead: TRITONSHARE_SOURCE.
+
     Exit codes: 0 ready; 1 unexpected error (a bug: its traceback is logged); 2 usage; 10 permanent source
     error; 11 transient source failure; 12 Triton failed to load the model; 13 readiness deadline (also: Triton
     not answering at all); 14 NAME installed from a different source;
