@@ -36,7 +36,7 @@ SLICED_GPU_RESOURCES = ("nvidia.com/mig-", "nvidia.com/gpumem")  # NVML reports 
 def test_advertise_reads_nvml_only_where_triton_owns_whole_gpus(
     builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert has_container(builds["overlays/gpu"], "advertise") and has_container(builds["overlays/example"], "advertise")
+    assert has_container(builds["overlays/gpu"], "advertise")
     for name, daemonset in tritons(builds):
         if not has_container(builds[name], "advertise"):
             continue
@@ -55,20 +55,18 @@ def test_advertise_reads_nvml_only_where_triton_owns_whole_gpus(
 def test_model_pods_request_the_gpu_memory_their_triton_advertises(
     builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    checked = 0
-    for name, b in builds.items():
-        if not name.startswith("overlays/") or not has_container(b, "advertise"):
-            continue
-        resource = cli_params(container(b.one("DaemonSet"), "advertise"), b, monkeypatch)["resource"]
-        for deployment in [d for d in b.of_kind("Deployment") if component_of(d) == "model"]:
-            app = [c for c in containers(deployment) if not c.init]
-            mib = sum(int(c.spec["resources"]["limits"].get(resource, 0)) for c in app)
-            assert mib > 0, f"{name}: {deployment['metadata']['name']} requests no {resource}"
-            for c in app:  # extended resources: requests, if stated, must equal limits
-                requested = c.spec["resources"].get("requests", {}).get(resource)
-                assert requested in (None, c.spec["resources"]["limits"].get(resource)), c.where
-            checked += 1
-    assert checked, "no overlay shows a model requesting GPU memory"
+    """The example's models run on the `gpu` overlay's Triton, which advertises the node's GPU memory."""
+    platform, example = builds["overlays/gpu"], builds["overlays/example"]
+    resource = cli_params(container(platform.one("DaemonSet"), "advertise"), platform, monkeypatch)["resource"]
+    deployments = [d for d in example.of_kind("Deployment") if component_of(d) == "model"]
+    assert len(deployments) == 2, "the example shows two models"
+    for deployment in deployments:
+        app = [c for c in containers(deployment) if not c.init]
+        mib = sum(int(c.spec["resources"]["limits"].get(resource, 0)) for c in app)
+        assert mib > 0, f"example: {deployment['metadata']['name']} requests no {resource}"
+        for c in app:  # extended resources: requests, if stated, must equal limits
+            requested = c.spec["resources"].get("requests", {}).get(resource)
+            assert requested in (None, c.spec["resources"]["limits"].get(resource)), c.where
 
 
 # --- metrics -----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -171,7 +172,7 @@ def test_gpu_flavours(builds: dict[str, Build]) -> None:
 
 def test_gpu_placement_follows_kserve_node_scheduling(builds: dict[str, Build]) -> None:
     toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
-    for name in ("overlays/gpu", "overlays/mig", "overlays/example"):
+    for name in ("overlays/gpu", "overlays/mig"):
         spec = pod_spec(builds[name].one("DaemonSet"))
         assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}, name
         assert toleration in spec["tolerations"], name
@@ -195,8 +196,8 @@ def test_triton_service_routes_to_the_callers_node_only(builds: dict[str, Build]
 
 
 def test_network_policy_admits_only_model_pods(builds: dict[str, Build]) -> None:
-    example = builds["overlays/example"]
-    policy, daemonset = example.get("NetworkPolicy", "tritonshare-triton"), example.one("DaemonSet")
+    example, platform = builds["overlays/example"], builds["overlays/gpu"]  # the example's models, on gpu's Triton
+    policy, daemonset = platform.get("NetworkPolicy", "tritonshare-triton"), platform.one("DaemonSet")
     spec = policy["spec"]
     assert selector_matches(spec["podSelector"], pod_labels(daemonset)), "the policy must select Triton's pods"
     assert set(spec["policyTypes"]) == {"Ingress", "Egress"} and spec["egress"] == []
@@ -218,7 +219,7 @@ def test_network_policy_admits_only_model_pods(builds: dict[str, Build]) -> None
     triton, f = triton_container(daemonset), flags(triton_container(daemonset).spec["args"])
     ports = {port_number(triton, p["port"]) for rule in spec["ingress"] for p in rule["ports"]}
     expected = {int(f["http-port"]), int(f["grpc-port"])}
-    assert monitored(example), "the example shows per-model metrics"
+    assert monitored(platform), "the platform overlay shows per-model metrics"
     assert ports == expected | {int(f["metrics-port"])}, f"HTTP, gRPC and (monitoring) metrics only: {ports}"
 
 
@@ -463,3 +464,18 @@ def test_progress_deadline_outlasts_the_loaders_deadlines(
         needed = load["download_timeout_s"] + load["timeout_s"]
         deadline = deployment["spec"].get("progressDeadlineSeconds", 600)
         assert deadline >= needed + 60, f"{name}: progressDeadlineSeconds {deadline} < the loader's {needed:g}s + 60s"
+
+
+def test_the_example_holds_its_models_only(builds: dict[str, Build]) -> None:
+    """Applied after the platform's overlay, the example must not apply Triton's objects again with its own
+    settings (images, components), and `kubectl delete -k` of it must not delete Triton or its namespace."""
+    example, platform = builds["overlays/example"], builds["overlays/gpu"]
+
+    def key(o: dict[str, Any]) -> tuple[str, str, str | None]:
+        return o["kind"], o["metadata"]["name"], o["metadata"].get("namespace")
+
+    shared = {key(o) for o in example.objects} & {key(o) for o in platform.objects}
+    assert shared == set(), f"the example applies the platform's {sorted(shared, key=str)}"
+    namespaces = {o["metadata"].get("namespace") for o in example.objects if o["kind"] != "Namespace"}
+    assert namespaces == {"tritonshare-demo"}, f"the example reaches into {namespaces}"
+    assert [o["metadata"]["name"] for o in example.of_kind("Namespace")] == ["tritonshare-demo"]
