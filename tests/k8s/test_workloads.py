@@ -479,3 +479,14 @@ def test_the_example_holds_its_models_only(builds: dict[str, Build]) -> None:
     namespaces = {o["metadata"].get("namespace") for o in example.objects if o["kind"] != "Namespace"}
     assert namespaces == {"tritonshare-demo"}, f"the example reaches into {namespaces}"
     assert [o["metadata"]["name"] for o in example.of_kind("Namespace")] == ["tritonshare-demo"]
+
+
+def test_triton_is_scheduled_and_kept_ahead_of_ordinary_pods(builds: dict[str, Build]) -> None:
+    """Without a priority a full node leaves Triton pending (and every model pod of the node with it), and
+    memory pressure may evict it before the pods it serves."""
+    for name, daemonset in tritons(builds):
+        class_name = pod_spec(daemonset).get("priorityClassName")
+        assert class_name, f"{name}: Triton has no priorityClassName"
+        priority = builds[name].get("PriorityClass", class_name)
+        assert 0 < priority["value"] <= 1_000_000_000, f"{name}: {priority['value']} (user classes: ≤ 1e9)"
+        assert not priority.get("globalDefault", False), f"{name}: {class_name} would be every pod's priority"
