@@ -44,6 +44,7 @@ from tritonshare.cli import main as cli
 
 DOCKERFILE = REPO_ROOT / "images" / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
+LOCK = REPO_ROOT / "images" / "requirements.lock"
 TRITONSHARE_IMAGE = re.compile(r"^(?:.+/)?tritonshare(?::|@|$)")
 
 
@@ -104,7 +105,10 @@ def test_image_user_owns_the_node_folder(dockerfile: Dockerfile, builds: dict[st
 
 def test_build_context_is_the_package_only() -> None:
     files = context_files(REPO_ROOT, DOCKERIGNORE.read_text())
-    assert {f.split("/")[0] for f in files} == {"pyproject.toml", "setup.py", "README.md", "src"}, sorted(files)[:20]
+    assert {f.split("/")[0] for f in files} == {"pyproject.toml", "setup.py", "README.md", "images", "src"}, sorted(
+        files
+    )[:20]
+    assert [f for f in files if f.startswith("images/")] == ["images/requirements.lock"]
     assert {"src/tritonshare/cli.py", "src/tritonshare/py.typed"} <= set(files)
     generated = [f for f in files if re.search(r"__pycache__|\.py[cod]$|\.egg-info/", f)]
     assert not generated, f".dockerignore lets generated files into the image: {generated[:5]}"
@@ -233,6 +237,23 @@ def test_installed_image_runs_every_command(image: Image) -> None:
         assert "Usage: tritonshare" in proc.stdout, proc.stdout[:500]
     version = image.run("--version")
     assert version.returncode == 0 and version.stdout.split()[-1] == __version__
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_image_holds_exactly_the_locked_dependencies(image: Image) -> None:
+    """Without the lock an image built later takes whatever PyPI has newest: untested versions in production."""
+    locked = {line.strip() for line in LOCK.read_text().splitlines() if line.strip() and not line.startswith("#")}
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+==[^=\s]+", pin) for pin in locked), "pins only: name==version"
+    freeze = subprocess.run(
+        [str(image.venv / "bin" / "python"), "-m", "pip", "freeze", "--exclude", "tritonshare"],
+        env=image.env, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    installed = {line.strip() for line in freeze.stdout.splitlines() if line.strip()}
+    assert installed == locked, (
+        f"the image's venv and images/requirements.lock differ: installed, not locked {sorted(installed - locked)}; "
+        f"locked, not installed {sorted(locked - installed)} (refresh the lock: its header says how)"
+    )
 
 
 @pytest.mark.slow
