@@ -9,7 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
-say "ruff";   .venv/bin/ruff check src tests bench scripts setup.py && .venv/bin/ruff format --check src tests bench scripts setup.py
+# One command a line: under `set -e` a failure on the left of `&&` does not stop the script (a lint error
+# went through CI that way).
+say "ruff";   .venv/bin/ruff check src tests bench scripts setup.py
+              .venv/bin/ruff format --check src tests bench scripts setup.py
 say "mypy";   .venv/bin/mypy
 say "layers"; .venv/bin/lint-imports
 if [ "${TRITONSHARE_COMPILE:-1}" = 0 ]; then

@@ -199,9 +199,11 @@ def test_the_loads_holding_up_polling_are_named_only_while_triton_has_not_starte
     others = [ModelState(name=f"o{i}", version="1", state="LOADING", reason="") for i in range(5)]
     ready = ModelState(name="r", version="1", state="READY", reason="")
     clock = FakeClock()
+    not_started = ModelState(name="m", version="", state="", reason="")  # in the index by name only
+    loading = ModelState(name="m", version="1", state="LOADING", reason="")
     for own, says in (
-        ([ModelState(name="m", version="", state="", reason="")], "waits for the load of o0, o1, o2 and 2 more (LOADING)"),
-        ([ModelState(name="m", version="1", state="LOADING", reason="")], "Triton is still LOADING it"),
+        ([not_started], "waits for the load of o0, o1, o2 and 2 more (LOADING)"),
+        ([loading], "Triton is still LOADING it"),
     ):
         fake = FakeTriton([*others, ready, *own])
         waiter = PollWaiter(fake, "m", timeout_s=1, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
