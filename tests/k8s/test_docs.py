@@ -43,6 +43,11 @@ def _documented_objects() -> list[dict[str, Any]]:
     return _yaml_blocks(DOC)
 
 
+def _documented_deployment() -> dict[str, Any]:
+    """The guide's Deployment snippet ("In your own Deployment")."""
+    return next(o for o in _documented_objects() if o["kind"] == "Deployment")
+
+
 def _readme_pod_template() -> dict[str, Any]:
     """The README's snippet: a Deployment's pod template (metadata and spec), not a whole object."""
     (template,) = [doc for doc in _yaml_blocks(README) if set(doc) == {"metadata", "spec"}]
@@ -60,7 +65,7 @@ def test_documented_manifests_validate() -> None:
 
 
 def test_documented_deployment_keeps_the_model_pod_contract() -> None:
-    deployment = next(o for o in _documented_objects() if o["kind"] == "Deployment")
+    deployment = _documented_deployment()
     for c in containers(deployment):
         check_hardened(c)
         check_bounded(c)
@@ -83,7 +88,7 @@ def test_documented_deployment_keeps_the_model_pod_contract() -> None:
 
 def test_documented_grace_periods_outlast_the_proxy_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same worst case as k8s/base/model's (test_workloads.py), for both snippets."""
-    docs = next(o for o in _documented_objects() if o["kind"] == "Deployment")
+    docs = _documented_deployment()
     readme = {"kind": "Deployment", "metadata": {"name": "readme"}, "spec": {"template": _readme_pod_template()}}
     for where, deployment in (("docs/kubernetes.md", docs), ("README.md", readme)):
         proxy = container(deployment, "proxy")
@@ -94,7 +99,7 @@ def test_documented_grace_periods_outlast_the_proxy_shutdown(monkeypatch: pytest
 
 def test_documented_deployment_holds_leases_as_its_pod(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the pod's UID no lease is taken, and gc would remove the model while the pod serves it."""
-    deployment = next(o for o in _documented_objects() if o["kind"] == "Deployment")
+    deployment = _documented_deployment()
     snippet = Build(name="docs/kubernetes.md", objects=[deployment], stderr="")
     for c in (container(deployment, "load"), container(deployment, "proxy")):
         for var, field in IDENTITY.items():
@@ -107,7 +112,7 @@ def test_documented_pods_are_scraped_by_the_pod_monitor(builds: dict[str, Build]
     """Without the labels the PodMonitor selects on, Prometheus never scrapes the pod's proxy, and the
     per-model HPA gets no metric."""
     selector = builds["components/monitoring"].one("PodMonitor")["spec"]["selector"]
-    deployment = next(o for o in _documented_objects() if o["kind"] == "Deployment")
+    deployment = _documented_deployment()
     assert selector_matches(selector, pod_labels(deployment)), f"docs/kubernetes.md: {pod_labels(deployment)}"
     readme = _readme_pod_template()["metadata"]["labels"]
     assert selector_matches(selector, readme), f"README.md: pod labels {readme} miss the PodMonitor's {selector}"
@@ -136,7 +141,7 @@ def _namespace_of(workload: Obj, b: Build) -> Obj:
 
 def test_documented_admission_policy_admits_the_shipped_pods(builds: dict[str, Build]) -> None:
     policy = _node_folder_policy()
-    documented = next(o for o in _documented_objects() if o["kind"] == "Deployment")
+    documented = _documented_deployment()
     assert refusals(policy, _pod(documented), MODELS_NAMESPACE) == [], "docs: the policy refuses its own snippet"
     for name, deployment in models(builds, overlays_only=True):
         assert refusals(policy, _pod(deployment), _namespace_of(deployment, builds[name])) == [], name
@@ -149,7 +154,7 @@ def test_documented_admission_policy_pins_what_a_node_folder_pod_runs() -> None:
     """Checking the image alone limits nothing: the tritonshare image with the node folder mounted runs any
     of its commands, or a shell, and `tritonshare unload --name <another tenant's model>` removes that model."""
     policy = _node_folder_policy()
-    model = _pod(next(o for o in _documented_objects() if o["kind"] == "Deployment"))
+    model = _pod(_documented_deployment())
     image = model["spec"]["containers"][0]["image"]
     unload = ["unload", "--name", "someone_elses_model"]
     shell = ["sh", "-c", "rm -rf /var/lib/tritonshare/models/*"]
@@ -207,7 +212,7 @@ def test_documented_admission_policy_keeps_other_ways_to_the_folder_out_of_model
     }
     for what, attempt in refused_in_model_namespace.items():
         assert refusals(policy, attempt, MODELS_NAMESPACE), f"docs: the policy admits {what} in a model namespace"
-    model = _pod(next(o for o in _documented_objects() if o["kind"] == "Deployment"))
+    model = _pod(_documented_deployment())
     for spelling in (
         "/var/lib//tritonshare",
         "/var/lib/./tritonshare",
