@@ -39,12 +39,15 @@ def _evaluate(env: celpy.Environment, expression: str, activation: Obj) -> Any:
 
 
 def _plain(value: Any) -> Any:
-    """CEL values back to Python's (a variable's value is bound again as JSON for the next expression)."""
+    """CEL values back to Python's (a variable's value is bound again as JSON for the next expression).
+
+    Lists and maps are walked whatever their class: celpy returns a concatenation (``a + b``) as a plain
+    ``list`` of CEL values, and a ``BoolType`` left inside would come back as an int (it is one, not a bool)."""
     if isinstance(value, celpy.celtypes.BoolType):
         return bool(value)
-    if isinstance(value, celpy.celtypes.MapType):
+    if isinstance(value, dict):  # MapType too
         return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, celpy.celtypes.ListType):
+    if isinstance(value, list):  # ListType too
         return [_plain(v) for v in value]
     if isinstance(value, celpy.celtypes.StringType):
         return str(value)
