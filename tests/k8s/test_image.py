@@ -37,6 +37,7 @@ from tests.k8s.dockerfile import (
     layer_key,
 )
 from tests.k8s.kustomize import Build, container, containers, environment
+from tests.k8s.workloads import TRITONSHARE_IMAGE, triton_of
 from tests.support.ports import free_port, wait_port
 from tests.support.triton import REPO_ROOT
 from tritonshare import __version__
@@ -45,7 +46,6 @@ from tritonshare.cli import main as cli
 DOCKERFILE = REPO_ROOT / "images" / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
 LOCK = REPO_ROOT / "images" / "requirements.lock"
-TRITONSHARE_IMAGE = re.compile(r"^(?:.+/)?tritonshare(?::|@|$)")
 
 
 @pytest.fixture(scope="session")
@@ -93,13 +93,13 @@ def test_dependencies_install_before_the_code_is_copied(dockerfile: Dockerfile) 
 def test_image_user_owns_the_node_folder(dockerfile: Dockerfile, builds: dict[str, Build]) -> None:
     """The manifests run the image as its USER, and hand the node folder to that UID."""
     uid, gid = _uid_gid(dockerfile)
-    daemonset = builds["overlays/gpu"].one("DaemonSet")
+    daemonset = triton_of(builds["overlays/gpu"])
     node_folder = next(c for c in containers(daemonset) if c.name == "node-folder")
     assert node_folder.spec["command"][:2] == ["chown", f"{uid}:{gid}"], node_folder.spec["command"]
     for name, b in builds.items():
         for workload in b.workloads():
             for c in containers(workload):
-                if TRITONSHARE_IMAGE.match(c.spec["image"]) and c.name != "node-folder":
+                if TRITONSHARE_IMAGE.match(c.spec["image"]):
                     assert (c.effective("runAsUser"), c.effective("runAsGroup")) == (uid, gid), f"{name}: {c.where}"
 
 
@@ -318,7 +318,7 @@ def test_image_reads_gpu_memory_for_advertise(image: Image, builds: dict[str, Bu
     assert Path(proc.stdout.strip()).is_relative_to(image.venv), proc.stdout
 
     b = builds["overlays/gpu"]
-    advertise = container(b.one("DaemonSet"), "advertise")
+    advertise = container(triton_of(b), "advertise")
     message = tmp_path / "termination-log"
     env = environment(advertise, b).values | {
         "TRITONSHARE_KUBE_API_URL": "http://127.0.0.1:9",  # nothing listens: NVML is read before the API is asked

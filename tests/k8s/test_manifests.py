@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,22 @@ import yaml
 
 from tests.k8s.conftest import BUILDS, OVERLAYS
 from tests.k8s.hardening import check_bounded, check_hardened
-from tests.k8s.kustomize import K8S, KUBERNETES_VERSION, WORKLOAD_KINDS, Build, containers, name_of, pod_spec
+from tests.k8s.kustomize import (
+    K8S,
+    KUBERNETES_VERSION,
+    WORKLOAD_KINDS,
+    Build,
+    build,
+    containers,
+    name_of,
+    pod_spec,
+)
+from tests.k8s.workloads import TRITONSHARE_IMAGE, component_of, triton_of
 from tritonshare import __version__ as PROJECT_VERSION
 
 # Images as the bases name them; the overlays pin them with `images:`.
-PLACEHOLDER_IMAGES = {"tritonshare", "tritonserver"}
-TRITONSHARE_IMAGE = re.compile(r"^(?:.+/)?tritonshare(?::|@|$)")
+PLACEHOLDER_IMAGES = {"tritonshare", "tritonserver"}  # the bases'
+ADVERTISE_IMAGE = "tritonshare-advertise"  # the tritonshare image in Triton's pod, pinned apart (advertise component)
 
 # Custom resources (no Kubernetes schema to check them against), each with the reason it is here. Anything
 # else without a schema is a typo in apiVersion/kind and fails.
@@ -76,7 +87,7 @@ def test_every_object_validates_against_the_kubernetes_schemas(builds: dict[str,
 
 def test_schema_validation_is_strict(builds: dict[str, Build]) -> None:
     """A misspelled field must fail validation, or the test above proves nothing."""
-    workload = copy.deepcopy(builds["overlays/gpu"].one("DaemonSet"))
+    workload = copy.deepcopy(triton_of(builds["overlays/gpu"]))
     pod_spec(workload)["containers"][0]["securityContxt"] = {"runAsNonRoot": True}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(workload, KUBERNETES_VERSION, strict=True)
@@ -125,8 +136,8 @@ def _images(objects: list[dict[str, Any]]) -> set[str]:
 
 
 def test_node_folder_settings_are_shared_by_both_bases() -> None:
-    """Paths and lease TTL come from one file for the model pods and Triton's gc (k8s/base/node-folder)."""
-    for base in ("model", "triton"):
+    """Paths and lease TTL come from one file for the model pods and gc (k8s/base/node-folder)."""
+    for base in ("model", "gc"):
         resources = yaml.safe_load((K8S / "base" / base / "kustomization.yaml").read_text())["resources"]
         assert "../node-folder" in resources, f"k8s/base/{base} must include the shared node-folder settings"
 
@@ -141,7 +152,9 @@ def test_bases_name_placeholder_images(base: Path) -> None:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlays_pin_every_image(overlay_builds: dict[str, Build], overlay: str) -> None:
     for image in _images(overlay_builds[overlay].objects):
-        assert image not in PLACEHOLDER_IMAGES, f"overlays/{overlay} leaves image {image!r} unpinned"
+        assert image not in PLACEHOLDER_IMAGES | {ADVERTISE_IMAGE}, (
+            f"overlays/{overlay} leaves image {image!r} unpinned"
+        )
         tag = image.rsplit("@", 1)[1] if "@" in image else image.rsplit(":", 1)[-1]
         assert ("@" in image or ":" in image.rsplit("/", 1)[-1]) and tag != "latest", (
             f"overlays/{overlay}: image {image!r} is not pinned to a tag or digest"
@@ -160,6 +173,41 @@ def test_all_overlays_pin_the_same_images(overlay_builds: dict[str, Build]) -> N
     assert by_repo.keys() == PLACEHOLDER_IMAGES
     for repo, pinned in by_repo.items():
         assert len(pinned) == 1, f"overlays disagree on the {repo} image: {sorted(pinned)}"
+
+
+PLATFORM_OVERLAYS = [  # the overlays holding Triton's half
+    o
+    for o in OVERLAYS
+    if "../../base/triton" in yaml.safe_load((K8S / "overlays" / o / "kustomization.yaml").read_text())["resources"]
+]
+
+
+@pytest.mark.parametrize("overlay", PLATFORM_OVERLAYS)
+def test_a_tritonshare_upgrade_leaves_triton_running(
+    overlay_builds: dict[str, Build], overlay: str, tmp_path: Path
+) -> None:
+    """Any change to Triton's pod restarts Triton, and every model of the node with it: a new `tritonshare`
+    pin or a changed node-folder.env must roll gc (and model pods) alone. Rendered from a copy of k8s/ with
+    both changed."""
+    copy_ = tmp_path / "k8s"
+    shutil.copytree(K8S, copy_)
+    kustomization = copy_ / "overlays" / overlay / "kustomization.yaml"
+    doc = yaml.safe_load(kustomization.read_text())
+    (pin,) = [i for i in doc["images"] if i["name"] == "tritonshare"]
+    pin["newTag"] = "99.0.0"
+    kustomization.write_text(yaml.safe_dump(doc))
+    env = copy_ / "base" / "node-folder" / "node-folder.env"
+    env.write_text(env.read_text().replace("TRITONSHARE_LEASE_TTL_S=600", "TRITONSHARE_LEASE_TTL_S=900"))
+    before, after = overlay_builds[overlay], build(kustomization.parent, name=f"{overlay} upgraded")
+
+    def daemonset(b: Build, component: str) -> dict[str, Any]:
+        (found,) = [d for d in b.of_kind("DaemonSet") if component_of(d) == component]
+        return found
+
+    assert daemonset(after, "gc") != daemonset(before, "gc"), "the change did not reach gc: the test proves nothing"
+    assert daemonset(after, "triton") == daemonset(before, "triton"), (
+        f"overlays/{overlay}: upgrading tritonshare changes Triton's DaemonSet, which restarts Triton on every node"
+    )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -188,7 +236,7 @@ def test_every_container_is_hardened_and_bounded(builds: dict[str, Build], name:
 
 def test_root_exception_is_the_documented_one(builds: dict[str, Build]) -> None:
     """The one root container exists, runs as UID 0 and only chowns the node folder to the image's UID."""
-    daemonset = builds["overlays/gpu"].one("DaemonSet")
+    daemonset = triton_of(builds["overlays/gpu"])
     node_folder = next(c for c in containers(daemonset) if c.name == "node-folder")
     assert node_folder.effective("runAsUser") == 0 and node_folder.effective("runAsNonRoot") is False
     argv = node_folder.spec["command"] + node_folder.spec.get("args", [])

@@ -23,6 +23,7 @@ from tests.k8s.workloads import (
     monitored,
     port_number,
     triton_container,
+    triton_of,
     tritons,
 )
 from tritonshare.proxy.triton_metrics import default_url
@@ -57,7 +58,7 @@ def test_model_pods_request_the_gpu_memory_their_triton_advertises(
 ) -> None:
     """The example's models run on the `gpu` overlay's Triton, which advertises the node's GPU memory."""
     platform, example = builds["overlays/gpu"], builds["overlays/example"]
-    resource = cli_params(container(platform.one("DaemonSet"), "advertise"), platform, monkeypatch)["resource"]
+    resource = cli_params(container(triton_of(platform), "advertise"), platform, monkeypatch)["resource"]
     deployments = [d for d in example.of_kind("Deployment") if component_of(d) == "model"]
     assert len(deployments) == 2, "the example shows two models"
     for deployment in deployments:
@@ -91,7 +92,7 @@ def test_proxies_read_triton_metrics_through_the_service(
         service_name, namespace, _ = url.hostname.split(".", 2)
         ports = {p["port"]: p for p in platform.get("Service", service_name, namespace)["spec"]["ports"]}
         assert url.port in ports, f"{name}: {url.geturl()} is no port of Service {service_name}"
-        triton = triton_container(platform.one("DaemonSet"))
+        triton = triton_container(triton_of(platform))
         metrics_port = int(flags(triton.spec["args"])["metrics-port"])
         assert port_number(triton, ports[url.port]["targetPort"]) == metrics_port, f"{name}: {url.geturl()}"
         policy = platform.get("NetworkPolicy", "tritonshare-triton", namespace)["spec"]
@@ -103,7 +104,7 @@ def test_pod_monitor_scrapes_each_proxy_never_triton(builds: dict[str, Build], m
     spec = builds[PLATFORM].one("PodMonitor")["spec"]
     assert spec["namespaceSelector"] == {"any": True}, "model pods live in tenants' namespaces"
     # Triton's own page holds every tenant's series: the PodMonitor must not select Triton pods.
-    assert not selector_matches(spec["selector"], pod_labels(builds[PLATFORM].one("DaemonSet")))
+    assert not selector_matches(spec["selector"], pod_labels(triton_of(builds[PLATFORM])))
     for name, deployment in models(builds, overlays_only=True):
         assert selector_matches(spec["selector"], pod_labels(deployment)), f"{name}: its pods are not scraped"
         proxy = container(deployment, "proxy")

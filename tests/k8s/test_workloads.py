@@ -42,6 +42,7 @@ from tests.k8s.workloads import (
     monitored,
     port_number,
     triton_container,
+    triton_of,
     tritons,
     worst_case_shutdown_s,
 )
@@ -162,7 +163,7 @@ def test_triton_reads_the_node_folder_and_owns_a_gpu(builds: dict[str, Build]) -
 
 def test_gpu_flavours(builds: dict[str, Build]) -> None:
     limits = {
-        n: triton_container(builds[f"overlays/{n}"].one("DaemonSet")).spec["resources"]["limits"]
+        n: triton_container(triton_of(builds[f"overlays/{n}"])).spec["resources"]["limits"]
         for n in ("gpu", "mig", "hami")
     }
     assert limits["gpu"]["nvidia.com/gpu"] == 1
@@ -173,10 +174,10 @@ def test_gpu_flavours(builds: dict[str, Build]) -> None:
 def test_gpu_placement_follows_kserve_node_scheduling(builds: dict[str, Build]) -> None:
     toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     for name in ("overlays/gpu", "overlays/mig"):
-        spec = pod_spec(builds[name].one("DaemonSet"))
+        spec = pod_spec(triton_of(builds[name]))
         assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}, name
         assert toleration in spec["tolerations"], name
-    assert pod_spec(builds["overlays/hami"].one("DaemonSet"))["nodeSelector"] == {"gpu": "on"}
+    assert pod_spec(triton_of(builds["overlays/hami"]))["nodeSelector"] == {"gpu": "on"}
     for name, deployment in models(builds, overlays_only=True):
         assert toleration in pod_spec(deployment).get("tolerations", []), f"{name}: model pods need the toleration"
 
@@ -195,9 +196,9 @@ def test_triton_service_routes_to_the_callers_node_only(builds: dict[str, Build]
         assert targets == expected, f"{name}: Triton's metrics port reports every tenant: only with monitoring"
 
 
-def test_network_policy_admits_only_model_pods(builds: dict[str, Build]) -> None:
+def test_network_policy_admits_only_model_pods_and_gc(builds: dict[str, Build]) -> None:
     example, platform = builds["overlays/example"], builds["overlays/gpu"]  # the example's models, on gpu's Triton
-    policy, daemonset = platform.get("NetworkPolicy", "tritonshare-triton"), platform.one("DaemonSet")
+    policy, daemonset = platform.get("NetworkPolicy", "tritonshare-triton"), triton_of(platform)
     spec = policy["spec"]
     assert selector_matches(spec["podSelector"], pod_labels(daemonset)), "the policy must select Triton's pods"
     assert set(spec["policyTypes"]) == {"Ingress", "Egress"} and spec["egress"] == []
@@ -205,10 +206,13 @@ def test_network_policy_admits_only_model_pods(builds: dict[str, Build]) -> None
     model = pod_labels(next(o for _, o in models({"example": example})))
 
     def admitted(pod: dict[str, str], namespace: dict[str, str]) -> bool:
+        """A peer without a namespaceSelector stands for pods of the policy's own namespace (gc's)."""
         peers = [peer for rule in spec["ingress"] for peer in rule["from"]]
-        assert all(set(peer) == {"namespaceSelector", "podSelector"} for peer in peers), peers
+        assert all(set(peer) <= {"namespaceSelector", "podSelector"} and "podSelector" in peer for peer in peers)
+        own = {"kubernetes.io/metadata.name": policy["metadata"]["namespace"]}
         return any(
-            selector_matches(p["namespaceSelector"], namespace) and selector_matches(p["podSelector"], pod)
+            selector_matches(p.get("namespaceSelector", {"matchLabels": own}), namespace)
+            and selector_matches(p["podSelector"], pod)
             for p in peers
         )
 
@@ -216,6 +220,11 @@ def test_network_policy_admits_only_model_pods(builds: dict[str, Build]) -> None
     assert not admitted(model, {"kubernetes.io/metadata.name": "other"}), "a namespace not allowed got in"
     assert not admitted({"app": "anything"}, allowed_ns), "a pod without the model label got in"
     assert not admitted(pod_labels(daemonset), allowed_ns)
+    gc_pods, own = (
+        pod_labels(platform.get("DaemonSet", "tritonshare-gc", "tritonshare")),
+        {"kubernetes.io/metadata.name": "tritonshare"},
+    )
+    assert admitted(gc_pods, own) and not admitted(gc_pods, allowed_ns), "gc's pods, from Triton's namespace only"
     triton, f = triton_container(daemonset), flags(triton_container(daemonset).spec["args"])
     ports = {port_number(triton, p["port"]) for rule in spec["ingress"] for p in rule["ports"]}
     expected = {int(f["http-port"]), int(f["grpc-port"])}
@@ -271,7 +280,7 @@ def test_every_tritonshare_container_runs_a_command_that_reads_its_environment(
         for workload in b.workloads():
             for c in containers(workload):
                 if not TRITONSHARE_IMAGE.match(c.spec["image"]) or "command" in c.spec:
-                    continue  # Triton, or the node-folder init container's shell
+                    continue  # Triton and its init containers (NVIDIA's image)
                 sub = c.spec["args"][0]
                 assert sub in cli.commands, f"{name}: {c.where} runs {sub!r}, which tritonshare does not have"
                 cli_params(c, b, monkeypatch)
@@ -291,7 +300,7 @@ def test_model_environment_is_what_the_cli_reads(builds: dict[str, Build], monke
 def test_loader_proxy_and_triton_share_one_node_folder(
     builds: dict[str, Build], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    triton = triton_container(builds[PLATFORM].one("DaemonSet"))
+    triton = triton_container(triton_of(builds[PLATFORM]))
     triton_repository = host_path_of(triton, flags(triton.spec["args"])["model-repository"])
     for name, deployment in models(builds, overlays_only=True):
         for c in (container(deployment, "load"), container(deployment, "proxy")):
@@ -375,7 +384,7 @@ def test_disruption_budgets_drain_a_model_one_pod_at_a_time(builds: dict[str, Bu
 
 
 def test_model_pods_follow_the_triton_pod(builds: dict[str, Build]) -> None:
-    daemonset = builds[PLATFORM].one("DaemonSet")
+    daemonset = triton_of(builds[PLATFORM])
     for name, deployment in models(builds):
         terms = pod_spec(deployment)["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert len(terms) == 1, name

@@ -42,6 +42,22 @@ def tritons(builds: dict[str, Build]) -> Iterator[tuple[str, Obj]]:
     yield from found
 
 
+def triton_of(b: Build) -> Obj:
+    """The build's Triton DaemonSet (gc's runs beside it)."""
+    found = [o for o in b.of_kind("DaemonSet") if component_of(o) == "triton"]
+    assert len(found) == 1, f"{len(found)} Triton DaemonSets in one build"
+    return found[0]
+
+
+def node_agents(builds: dict[str, Build]) -> Iterator[tuple[str, Obj, Obj]]:
+    """(build, Triton's DaemonSet, gc's DaemonSet in Triton's namespace) for every build holding Triton."""
+    for name, triton in tritons(builds):
+        namespace = triton["metadata"].get("namespace")
+        gcs = [o for o in builds[name].of_kind("DaemonSet") if component_of(o) == "gc"]
+        assert [o["metadata"].get("namespace") for o in gcs] == [namespace], f"{name}: gc is not beside Triton"
+        yield name, triton, gcs[0]
+
+
 def models(builds: dict[str, Build], overlays_only: bool = False) -> Iterator[tuple[str, Obj]]:
     found = [
         (n, o)

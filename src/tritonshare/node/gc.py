@@ -1,4 +1,4 @@
-"""``tritonshare gc``: the Triton DaemonSet's sidecar that removes what dead pods left behind.
+"""``tritonshare gc``: removes what dead pods left behind, on every Triton node (k8s/base/gc).
 
 A pod killed with SIGKILL, OOM or a lost node never runs its unload, and a loader killed mid-download
 leaves its staging folder. Every ``interval_s`` one pass removes, and logs with its reason:

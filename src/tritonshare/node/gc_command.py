@@ -57,7 +57,7 @@ def gc(
     """Remove models whose pods are gone (every lease expired, or no lease and older than the TTL) and
     staging leftovers; rename out of the repository before deleting, never while Triton is LOADING the model.
 
-    Runs as a sidecar of the Triton DaemonSet; every removal is logged with its reason.
+    Runs on every Triton node (a DaemonSet beside Triton's); every removal is logged with its reason.
     """
     from tritonshare.node.gc import GcSettings, run
 
